@@ -1,0 +1,30 @@
+"""The LLM protocols stepmill understands, found by request path."""
+
+from __future__ import annotations
+
+import re
+from types import ModuleType
+
+from . import anthropic_messages, openai_chat, openai_responses
+from .base import Completion, ParsedRequest, ProtocolError
+
+# (path pattern, api name, module). Paths are matched without the query string, at the end,
+# so a vLLM or SGLang server under any prefix is recognised.
+ROUTES: list[tuple[re.Pattern, str, ModuleType]] = [
+    (re.compile(r"/chat/completions$"), openai_chat.CHAT, openai_chat),
+    (re.compile(r"/v1/completions$"), openai_chat.COMPLETIONS, openai_chat),
+    (re.compile(r"/(v1|codex)/responses$"), openai_responses.API, openai_responses),
+    (re.compile(r"/v1/messages$"), anthropic_messages.API, anthropic_messages),
+]
+
+
+def match(path: str) -> tuple[str, ModuleType] | None:
+    """The api name and parser module for a request path, or None for other traffic."""
+    bare = path.split("?", 1)[0].rstrip("/")
+    for pattern, api, module in ROUTES:
+        if pattern.search(bare):
+            return api, module
+    return None
+
+
+__all__ = ["match", "ROUTES", "Completion", "ParsedRequest", "ProtocolError"]

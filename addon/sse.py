@@ -1,0 +1,65 @@
+"""Incremental Server-Sent Events decoding for bytes pushed in arbitrary chunks.
+
+mitmproxy hands a stream callable one chunk at a time; the SSE clients on PyPI (httpx-sse,
+sseclient) pull from an iterator instead and keep their decoders private, so this follows
+the WHATWG event-stream rules directly.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_LINE = re.compile(r"\r\n|\n|\r")
+
+
+@dataclass
+class Event:
+    event: str | None
+    data: str
+    raw: bytes  # the event's bytes, terminator included
+
+
+def parse_block(block: bytes) -> tuple[str | None, str | None]:
+    event, data = None, []
+    for line in _LINE.split(block.decode("utf-8", errors="replace")):
+        if not line or line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        if value.startswith(" "):
+            value = value[1:]
+        if name == "event":
+            event = value
+        elif name == "data":
+            data.append(value)
+    return event, ("\n".join(data) if data else None)
+
+
+class SSEDecoder:
+    def __init__(self):
+        self.buffer = b""
+
+    def push(self, chunk: bytes) -> list[Event]:
+        """Feed bytes; return the events completed by them."""
+        self.buffer += chunk
+        events = []
+        while True:
+            found = _BOUNDARY.search(self.buffer)
+            if not found:
+                break
+            raw, self.buffer = self.buffer[: found.end()], self.buffer[found.end():]
+            event, data = parse_block(raw[: found.start()])
+            if data is not None:
+                events.append(Event(event, data, raw))
+            elif raw.strip():
+                events.append(Event(event, "", raw))  # comments and keep-alives: passed on, not parsed
+        return events
+
+    def flush(self) -> list[Event]:
+        """At the end of the stream: a last event without its blank line still counts."""
+        rest, self.buffer = self.buffer, b""
+        if not rest.strip():
+            return [Event(None, "", rest)] if rest else []
+        event, data = parse_block(rest)
+        return [Event(event, data or "", rest)]

@@ -1,0 +1,539 @@
+"""The step store: one SQLite file, WAL mode, shared by the proxy, Datasette and the trainers."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import sqlite3
+import uuid
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import numpy as np
+import sqlite_utils
+
+from . import linking
+from .migrations import migrate
+from .records import StepRecord
+from .sequences import pack_ids, pack_logprobs, split_against, unpack_ids, unpack_logprobs
+
+STATUSES = ("ok", "error", "incomplete")
+
+# Fields of one exported step, in order (the JSONL export and the control API use them).
+EXPORT_FIELDS = [
+    "step_id", "trajectory_id", "group_id", "parent_step_id", "step_index", "api", "transport", "host",
+    "model", "response_id", "messages", "tools", "completion", "finish_reason", "usage", "status", "error",
+    "ttft_ms", "duration_ms", "started_at", "channel", "policy_version", "reward",
+    "prompt_ids", "response_ids", "logprobs", "token_provenance",
+]
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:20]}"
+
+
+def dumps(value: Any) -> str | None:
+    if value is None:
+        return None
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+def loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+class StoreError(ValueError):
+    """A request the store refuses, with a message saying why."""
+
+
+class _LRU(OrderedDict):
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def put(self, key, value):
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.size:
+            self.popitem(last=False)
+
+
+class Store:
+    """Read and write step records. Safe to open from several processes at once."""
+
+    def __init__(self, path: str, *, cache_size: int = 512):
+        self.path = str(path)
+        conn = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
+        self.db = sqlite_utils.Database(conn)
+        conn.execute("PRAGMA busy_timeout = 30000")
+        self.db.enable_wal()
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute("PRAGMA foreign_keys = ON")
+        self.schema_version = migrate(self.db)
+        self._cache = _LRU(cache_size)
+
+    def close(self) -> None:
+        self.db.conn.close()
+
+    # -- transactions -------------------------------------------------------------------
+    @contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, taken up front so concurrent writers queue instead of failing."""
+        conn = self.db.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def query(self, sql: str, params: Any = ()) -> list[dict]:
+        return list(self.db.query(sql, params))
+
+    # -- state --------------------------------------------------------------------------
+    def get_state(self, key: str, default: str | None = None) -> str | None:
+        row = self.db.conn.execute("SELECT value FROM state WHERE key = ?", [key]).fetchone()
+        return row[0] if row else default
+
+    def set_state(self, key: str, value: str | None) -> None:
+        with self.write() as conn:
+            conn.execute("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)", [key, value])
+
+    def policy_version(self) -> str | None:
+        return self.get_state("policy_version")
+
+    def set_policy_version(self, version: str | int | None) -> None:
+        self.set_state("policy_version", None if version is None else str(version))
+
+    # -- blobs ----------------------------------------------------------------------------
+    def _put_blob(self, conn: sqlite3.Connection, value: Any) -> str | None:
+        if value is None:
+            return None
+        body = json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True, default=str)
+        digest = hashlib.sha256(body.encode()).hexdigest()[:32]
+        conn.execute("INSERT OR IGNORE INTO blobs (hash, body) VALUES (?, ?)", [digest, body])
+        return digest
+
+    def _blob(self, digest: str | None) -> Any:
+        if digest is None:
+            return None
+        key = ("blob", digest)
+        if key not in self._cache:
+            row = self.db.conn.execute("SELECT body FROM blobs WHERE hash = ?", [digest]).fetchone()
+            self._cache.put(key, json.loads(row[0]) if row else None)
+        return self._cache[key]
+
+    # -- trajectories ---------------------------------------------------------------------
+    def trajectory(self, trajectory_id: str) -> dict | None:
+        rows = self.query("SELECT * FROM trajectories WHERE id = ?", [trajectory_id])
+        if not rows:
+            return None
+        row = rows[0]
+        row["metadata"] = loads(row["metadata"])
+        row["step_count"] = self.db.conn.execute(
+            "SELECT count(*) FROM steps WHERE trajectory_id = ?", [trajectory_id]
+        ).fetchone()[0]
+        return row
+
+    def _ensure_trajectory(self, conn, trajectory_id: str, *, group_id=None, channel=None, source=None,
+                           metadata=None, policy_version=None) -> dict:
+        row = conn.execute("SELECT group_id, channel, status FROM trajectories WHERE id = ?", [trajectory_id]).fetchone()
+        if row is None:
+            conn.execute(
+                "INSERT INTO trajectories (id, group_id, channel, source, status, metadata, policy_version, created_at)"
+                " VALUES (?, ?, ?, ?, 'open', ?, ?, ?)",
+                [trajectory_id, group_id, channel or "train", source, dumps(metadata), policy_version, now_iso()],
+            )
+            return {"group_id": group_id, "channel": channel or "train", "status": "open"}
+        current = {"group_id": row[0], "channel": row[1], "status": row[2]}
+        if group_id and group_id != current["group_id"] and (current["group_id"] or "").startswith("g-"):
+            # An explicit group replaces the automatic prompt-hash group.
+            conn.execute("UPDATE trajectories SET group_id = ? WHERE id = ?", [group_id, trajectory_id])
+            current["group_id"] = group_id
+        return current
+
+    def start_trajectory(self, *, trajectory_id=None, group_id=None, channel=None, metadata=None) -> dict:
+        trajectory_id = trajectory_id or new_id("t")
+        with self.write() as conn:
+            if conn.execute("SELECT 1 FROM trajectories WHERE id = ?", [trajectory_id]).fetchone():
+                raise StoreError(f"trajectory {trajectory_id!r} already exists")
+            self._ensure_trajectory(conn, trajectory_id, group_id=group_id, channel=channel, source="api",
+                                    metadata=metadata, policy_version=self.policy_version())
+        return self.trajectory(trajectory_id)
+
+    def update_trajectory(self, trajectory_id: str, *, group_id=None, channel=None, metadata=None) -> dict:
+        with self.write() as conn:
+            row = conn.execute("SELECT metadata FROM trajectories WHERE id = ?", [trajectory_id]).fetchone()
+            if row is None:
+                raise KeyError(trajectory_id)
+            if group_id is not None:
+                conn.execute("UPDATE trajectories SET group_id = ? WHERE id = ?", [group_id, trajectory_id])
+                conn.execute("UPDATE steps SET group_id = ? WHERE trajectory_id = ?", [group_id, trajectory_id])
+            if channel is not None:
+                conn.execute("UPDATE trajectories SET channel = ? WHERE id = ?", [channel, trajectory_id])
+                conn.execute("UPDATE steps SET channel = ? WHERE trajectory_id = ?", [channel, trajectory_id])
+            if metadata is not None:
+                merged = {**(loads(row[0]) or {}), **metadata}
+                conn.execute("UPDATE trajectories SET metadata = ? WHERE id = ?", [dumps(merged), trajectory_id])
+        return self.trajectory(trajectory_id)
+
+    def complete_trajectory(self, trajectory_id: str, *, reward: float | None = None) -> dict:
+        with self.write() as conn:
+            if not conn.execute("SELECT 1 FROM trajectories WHERE id = ?", [trajectory_id]).fetchone():
+                raise KeyError(trajectory_id)
+            conn.execute(
+                "UPDATE trajectories SET status = 'complete', completed_at = ?, reward = coalesce(?, reward) WHERE id = ?",
+                [now_iso(), reward, trajectory_id],
+            )
+        return self.trajectory(trajectory_id)
+
+    # -- recording ------------------------------------------------------------------------
+    def _find_parent(self, conn, rec: StepRecord, trajectory_id: str | None) -> dict | None:
+        if rec.parent_step_id:
+            row = conn.execute("SELECT trajectory_id FROM steps WHERE id = ?", [rec.parent_step_id]).fetchone()
+            if row is None:
+                raise StoreError(f"parent step {rec.parent_step_id!r} does not exist")
+            return {"id": rec.parent_step_id, "trajectory_id": row[0]}
+        if rec.previous_response_id:
+            row = conn.execute(
+                "SELECT id, trajectory_id FROM steps WHERE response_id = ? ORDER BY started_at DESC LIMIT 1",
+                [rec.previous_response_id],
+            ).fetchone()
+            if row:
+                return {"id": row[0], "trajectory_id": row[1]}
+        keys = linking.rolling_keys(rec.messages)
+        if not keys:
+            return None
+        position = {key: i for i, key in enumerate(keys)}
+        marks = ",".join("?" * len(keys))
+        sql = f"SELECT id, trajectory_id, continuation_key FROM steps WHERE continuation_key IN ({marks})"
+        params: list = list(keys)
+        if trajectory_id is not None:
+            sql += " AND trajectory_id = ?"
+            params.append(trajectory_id)
+        sql += " ORDER BY started_at DESC, rowid DESC"
+        best = None
+        for step_id, traj, key in conn.execute(sql, params):
+            if best is None or position[key] > best["k"]:
+                best = {"id": step_id, "trajectory_id": traj, "k": position[key]}
+        return best
+
+    def record_step(self, rec: StepRecord) -> str:
+        """Write one step; assigns trajectory, group, parent and index. Returns the step id."""
+        if rec.status not in STATUSES:
+            raise StoreError(f"status must be one of {', '.join(STATUSES)}, not {rec.status!r}")
+        step_id = new_id("s")
+        with self.write() as conn:
+            explicit = rec.trajectory_id or rec.session_id
+            parent = self._find_parent(conn, rec, explicit)
+            if rec.trajectory_id:
+                trajectory_id, source = rec.trajectory_id, "explicit"
+            elif rec.session_id:
+                trajectory_id, source = rec.session_id, "session"
+            elif parent:
+                trajectory_id, source = parent["trajectory_id"], "chain" if rec.previous_response_id else "conversation"
+            else:
+                trajectory_id, source = new_id("t"), "conversation"
+            if parent and parent["trajectory_id"] != trajectory_id:
+                parent = None  # a chain into another trajectory is not this trajectory's history
+            traj = self._ensure_trajectory(
+                conn, trajectory_id, group_id=rec.group_id or linking.prompt_group_key(rec.messages),
+                channel=rec.channel, source=source, policy_version=rec.policy_version,
+            )
+            group_id = rec.group_id or traj["group_id"]
+            step_index = rec.step_index
+            if step_index is None:
+                step_index = conn.execute(
+                    "SELECT coalesce(max(step_index) + 1, 0) FROM steps WHERE trajectory_id = ?", [trajectory_id]
+                ).fetchone()[0]
+
+            parent_id = parent["id"] if parent else None
+            messages_base_len, messages_suffix = split_against(rec.messages, self._continuation(parent_id, "messages"))
+            wire_base_len, wire_suffix = split_against(rec.wire_messages, self._continuation(parent_id, "wire"))
+            continuation = rec.messages + ([rec.completion] if rec.completion else [])
+            usage = rec.usage or {}
+            row = {
+                "id": step_id,
+                "trajectory_id": trajectory_id,
+                "group_id": group_id,
+                "parent_step_id": parent_id,
+                "step_index": step_index,
+                "api": rec.api,
+                "transport": rec.transport,
+                "host": rec.host,
+                "path": rec.path,
+                "model": rec.model,
+                "response_id": rec.response_id,
+                "request_hash": self._put_blob(conn, {"params": rec.params, "tools": rec.tools}),
+                "message_count": len(rec.messages),
+                "messages_base_len": messages_base_len,
+                "messages_suffix": dumps(list(messages_suffix)),
+                "wire_base_len": wire_base_len,
+                "wire_suffix": dumps(list(wire_suffix)),
+                "completion": dumps(rec.completion),
+                "wire_completion": dumps(rec.wire_completion),
+                "finish_reason": rec.finish_reason,
+                "usage": dumps(rec.usage),
+                "input_tokens": usage.get("input_tokens"),
+                "output_tokens": usage.get("output_tokens"),
+                "cache_read_tokens": usage.get("cache_read_tokens"),
+                "cache_write_tokens": usage.get("cache_write_tokens"),
+                "status": rec.status,
+                "error": rec.error,
+                "http_status": rec.http_status,
+                "ttft_ms": rec.ttft_ms,
+                "duration_ms": rec.duration_ms,
+                "started_at": rec.started_at or now_iso(),
+                "channel": rec.channel or traj["channel"] or "train",
+                "policy_version": rec.policy_version,
+                "reward": rec.reward,
+                "headers": dumps(rec.headers),
+                "link_key": (linking.rolling_keys(rec.messages) or [None])[-1],
+                "continuation_key": linking.rolling_keys(continuation)[-1] if rec.completion else None,
+                "metadata": dumps(rec.metadata),
+                "raw_request": rec.raw_request,
+                "raw_response": rec.raw_response,
+                "token_provenance": "none",
+            }
+            row.update(self._token_columns(parent_id, rec.prompt_ids, rec.response_ids, rec.logprobs,
+                                           rec.token_provenance or "exact"))
+            cols = ",".join(row)
+            conn.execute(f"INSERT INTO steps ({cols}) VALUES ({','.join('?' * len(row))})", list(row.values()))
+            if rec.is_last:
+                conn.execute("UPDATE trajectories SET status = 'complete', completed_at = ? WHERE id = ?",
+                             [now_iso(), trajectory_id])
+        self._cache.put(("messages", step_id), continuation)
+        self._cache.put(("wire", step_id), list(rec.wire_messages) + list(rec.wire_completion or []))
+        return step_id
+
+    # -- token ids ------------------------------------------------------------------------
+    def _token_columns(self, parent_id, prompt_ids, response_ids, logprobs, provenance, *, spliced_len=None) -> dict:
+        if prompt_ids is None and response_ids is None:
+            return {}
+        prompt = np.asarray(prompt_ids if prompt_ids is not None else [], dtype=np.int64)
+        response = np.asarray(response_ids if response_ids is not None else [], dtype=np.int64)
+        if logprobs is not None and len(logprobs) != len(response):
+            raise StoreError(f"logprobs has {len(logprobs)} values for {len(response)} response ids")
+        base = self._continuation(parent_id, "tokens")
+        base_len, suffix = split_against(prompt, base) if base is not None and len(base) else (0, prompt)
+        if base is None or not len(base):
+            consistency, pos, reason = ("root" if parent_id is None else None), None, None
+        elif base_len == len(base):
+            consistency, pos, reason = "consistent", None, None
+        else:
+            consistency, pos = "divergent", base_len
+            if base_len == len(prompt):
+                reason = f"prompt ends at {len(prompt)} inside the parent's {len(base)} prompt+response ids"
+            else:
+                reason = (f"token {base_len}: parent sequence has id {int(base[base_len])}, "
+                          f"this prompt has id {int(prompt[base_len])}")
+        return {
+            "token_provenance": provenance,
+            "prompt_len": len(prompt),
+            "prompt_base_len": base_len,
+            "prompt_suffix": pack_ids(suffix),
+            "response_len": len(response),
+            "response_ids": pack_ids(response),
+            "logprobs": pack_logprobs(logprobs),
+            "spliced_len": spliced_len,
+            "consistency": consistency,
+            "divergence_pos": pos,
+            "divergence_reason": reason,
+        }
+
+    def set_tokens(self, step_id: str, prompt_ids, response_ids, logprobs=None, *, provenance: str,
+                   tokenizer: str | None = None, spliced_len: int | None = None,
+                   fidelity: str | None = None, fidelity_detail: str | None = None) -> None:
+        parent_id = self.db.conn.execute("SELECT parent_step_id FROM steps WHERE id = ?", [step_id]).fetchone()[0]
+        cols = self._token_columns(parent_id, prompt_ids, response_ids, logprobs, provenance, spliced_len=spliced_len)
+        cols.update({"tokenizer": tokenizer, "fidelity": fidelity, "fidelity_detail": fidelity_detail})
+        with self.write() as conn:
+            conn.execute(f"UPDATE steps SET {', '.join(f'{c} = ?' for c in cols)} WHERE id = ?",
+                         [*cols.values(), step_id])
+        self._cache.pop(("tokens", step_id), None)
+
+    def token_sequences(self, step_id: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(prompt_ids, response_ids, logprobs) of one step, rebuilt from the shared prefixes."""
+        rows = self._chain(step_id, "prompt_base_len", "prompt_suffix", "response_ids", "logprobs", "prompt_len")
+        target = rows[-1]
+        if target["prompt_len"] is None:
+            return np.zeros(0, np.int32), np.zeros(0, np.int32), None
+        full = None
+        for row in rows:
+            base = full if full is not None else np.zeros(0, np.int32)
+            prompt = np.concatenate([base[: row["prompt_base_len"] or 0], unpack_ids(row["prompt_suffix"])])
+            response = unpack_ids(row["response_ids"])
+            full = np.concatenate([prompt, response])
+        return prompt, response, unpack_logprobs(target["logprobs"])
+
+    # -- reading conversations --------------------------------------------------------------
+    def _chain(self, step_id: str, base_col: str, *cols: str) -> list[dict]:
+        """The step and the ancestors its ``base_col`` delta depends on, root first."""
+        wanted = ", ".join(f"s.{c}" for c in ("id", "parent_step_id", base_col, *cols))
+        sql = f"""
+            WITH RECURSIVE chain(id, depth) AS (
+                SELECT id, 0 FROM steps WHERE id = :id
+                UNION ALL
+                SELECT s.parent_step_id, chain.depth + 1 FROM steps s JOIN chain ON s.id = chain.id
+                WHERE s.parent_step_id IS NOT NULL AND coalesce(s.{base_col}, 0) > 0
+            )
+            SELECT {wanted} FROM chain JOIN steps s ON s.id = chain.id ORDER BY chain.depth DESC
+        """
+        rows = self.query(sql, {"id": step_id})
+        if not rows:
+            raise KeyError(step_id)
+        return rows
+
+    def _continuation(self, step_id: str | None, kind: str):
+        """What a child of ``step_id`` continues: conversation + completion, or prompt + response ids."""
+        if step_id is None:
+            return None
+        key = (kind, step_id)
+        if key in self._cache:
+            return self._cache[key]
+        if kind == "tokens":
+            prompt, response, _ = self.token_sequences(step_id)
+            value = np.concatenate([prompt, response]) if len(prompt) or len(response) else None
+        else:
+            base_col, suffix_col, tail_col = {
+                "messages": ("messages_base_len", "messages_suffix", "completion"),
+                "wire": ("wire_base_len", "wire_suffix", "wire_completion"),
+            }[kind]
+            value = []
+            for row in self._chain(step_id, base_col, suffix_col, tail_col):
+                tail = loads(row[tail_col])
+                value = value[: row[base_col] or 0] + (loads(row[suffix_col]) or [])
+                if tail:
+                    value = value + ([tail] if kind == "messages" else list(tail))
+        self._cache.put(key, value)
+        return value
+
+    def continuation(self, step_id: str) -> tuple[list[dict], list]:
+        """What a child of this step continues: canonical and wire conversation, completion included."""
+        return list(self._continuation(step_id, "messages")), list(self._continuation(step_id, "wire"))
+
+    def messages(self, step_id: str) -> list[dict]:
+        """The full canonical conversation a step was prompted with."""
+        row = self.db.conn.execute("SELECT message_count FROM steps WHERE id = ?", [step_id]).fetchone()
+        if row is None:
+            raise KeyError(step_id)
+        return list(self._continuation(step_id, "messages")[: row[0]])
+
+    def wire_messages(self, step_id: str) -> list:
+        row = self.db.conn.execute("SELECT wire_completion FROM steps WHERE id = ?", [step_id]).fetchone()
+        if row is None:
+            raise KeyError(step_id)
+        full = self._continuation(step_id, "wire")
+        tail = len(loads(row[0]) or [])
+        return list(full[: len(full) - tail])
+
+    # -- export ---------------------------------------------------------------------------
+    def step(self, step_id: str, *, with_tokens: bool = True) -> dict:
+        rows = self.query(
+            "SELECT s.*, t.reward AS trajectory_reward FROM steps s"
+            " LEFT JOIN trajectories t ON t.id = s.trajectory_id WHERE s.id = ?", [step_id]
+        )
+        if not rows:
+            raise KeyError(step_id)
+        return self._export(rows[0], with_tokens=with_tokens)
+
+    def _export(self, row: dict, *, with_tokens: bool = True) -> dict:
+        request = self._blob(row["request_hash"]) or {}
+        record = {
+            "step_id": row["id"],
+            "trajectory_id": row["trajectory_id"],
+            "group_id": row["group_id"],
+            "parent_step_id": row["parent_step_id"],
+            "step_index": row["step_index"],
+            "api": row["api"],
+            "transport": row["transport"],
+            "host": row["host"],
+            "model": row["model"],
+            "response_id": row["response_id"],
+            "messages": self.messages(row["id"]),
+            "tools": request.get("tools"),
+            "completion": loads(row["completion"]),
+            "finish_reason": row["finish_reason"],
+            "usage": loads(row["usage"]),
+            "status": row["status"],
+            "error": row["error"],
+            "ttft_ms": row["ttft_ms"],
+            "duration_ms": row["duration_ms"],
+            "started_at": row["started_at"],
+            "channel": row["channel"],
+            "policy_version": row["policy_version"],
+            "reward": row["reward"] if row["reward"] is not None else row.get("trajectory_reward"),
+            "token_provenance": row["token_provenance"] or "none",
+            "prompt_ids": None,
+            "response_ids": None,
+            "logprobs": None,
+        }
+        if with_tokens and row["prompt_len"] is not None:
+            prompt, response, logprobs = self.token_sequences(row["id"])
+            record["prompt_ids"] = prompt.tolist()
+            record["response_ids"] = response.tolist()
+            record["logprobs"] = None if logprobs is None else [float(x) for x in logprobs]
+        record["params"] = request.get("params")
+        record["token_check"] = {
+            "consistency": row["consistency"],
+            "divergence_pos": row["divergence_pos"],
+            "divergence_reason": row["divergence_reason"],
+            "spliced_len": row["spliced_len"],
+            "fidelity": row["fidelity"],
+            "fidelity_detail": row["fidelity_detail"],
+            "tokenizer": row["tokenizer"],
+        }
+        return record
+
+    def iter_steps(self, where: str | None = None, params: Any = (), *, with_tokens: bool = True) -> Iterator[dict]:
+        """Exported steps in capture order; ``where`` is a SQL condition on the steps table (alias s)."""
+        sql = ("SELECT s.*, t.reward AS trajectory_reward FROM steps s"
+               " LEFT JOIN trajectories t ON t.id = s.trajectory_id")
+        if where:
+            sql += f" WHERE {where}"
+        sql += " ORDER BY s.started_at, s.rowid"
+        for row in self.db.query(sql, params):
+            yield self._export(row, with_tokens=with_tokens)
+
+    # -- stats ----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        conn = self.db.conn
+
+        def counts(column: str) -> dict:
+            return {str(k): v for k, v in conn.execute(
+                f"SELECT {column}, count(*) FROM steps GROUP BY 1 ORDER BY 2 DESC")}
+
+        total = conn.execute("SELECT count(*) FROM steps").fetchone()[0]
+        tokens = conn.execute(
+            "SELECT coalesce(sum(input_tokens),0), coalesce(sum(output_tokens),0),"
+            " coalesce(sum(cache_read_tokens),0), coalesce(sum(cache_write_tokens),0) FROM steps"
+        ).fetchone()
+        exact = conn.execute("SELECT count(*) FROM steps WHERE token_provenance = 'exact'").fetchone()[0]
+        with_ids = conn.execute("SELECT count(*) FROM steps WHERE prompt_len IS NOT NULL").fetchone()[0]
+        checked = conn.execute(
+            "SELECT count(*), coalesce(sum(consistency = 'consistent'), 0) FROM steps"
+            " WHERE consistency IN ('consistent', 'divergent')"
+        ).fetchone()
+        return {
+            "steps": total,
+            "trajectories": conn.execute("SELECT count(*) FROM trajectories").fetchone()[0],
+            "groups": conn.execute("SELECT count(DISTINCT group_id) FROM trajectories").fetchone()[0],
+            "by_api": counts("api"),
+            "by_model": counts("model"),
+            "by_status": counts("status"),
+            "by_channel": counts("channel"),
+            "by_token_provenance": counts("token_provenance"),
+            "tokens": {"input": tokens[0], "output": tokens[1], "cache_read": tokens[2], "cache_write": tokens[3]},
+            "steps_with_ids": with_ids,
+            "exact_id_share": exact / total if total else None,
+            "parent_child_pairs_checked": checked[0],
+            "consistent_share": checked[1] / checked[0] if checked[0] else None,
+            "policy_version": self.policy_version(),
+        }

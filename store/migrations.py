@@ -1,0 +1,137 @@
+"""Ordered schema migrations. Append new ones; never edit one that has shipped."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from typing import Callable
+
+import sqlite_utils
+
+
+def _m001_capture(db: sqlite_utils.Database) -> None:
+    db["blobs"].create({"hash": str, "body": str}, pk="hash")
+    db["state"].create({"key": str, "value": str}, pk="key")
+    db["trajectories"].create(
+        {
+            "id": str,
+            "group_id": str,
+            "channel": str,
+            "source": str,  # explicit | session | chain | conversation | api
+            "status": str,  # open | complete
+            "reward": float,
+            "metadata": str,
+            "policy_version": str,
+            "created_at": str,
+            "completed_at": str,
+        },
+        pk="id",
+        defaults={"channel": "train", "status": "open"},
+    )
+    db["steps"].create(
+        {
+            "id": str,
+            "trajectory_id": str,
+            "group_id": str,
+            "parent_step_id": str,
+            "step_index": int,
+            "api": str,
+            "transport": str,
+            "host": str,
+            "path": str,
+            "model": str,
+            "response_id": str,
+            "request_hash": str,
+            "message_count": int,
+            "messages_base_len": int,
+            "messages_suffix": str,
+            "wire_base_len": int,
+            "wire_suffix": str,
+            "completion": str,
+            "wire_completion": str,
+            "finish_reason": str,
+            "usage": str,
+            "input_tokens": int,
+            "output_tokens": int,
+            "cache_read_tokens": int,
+            "cache_write_tokens": int,
+            "status": str,
+            "error": str,
+            "http_status": int,
+            "ttft_ms": float,
+            "duration_ms": float,
+            "started_at": str,
+            "channel": str,
+            "policy_version": str,
+            "reward": float,
+            "headers": str,
+            "link_key": str,
+            "continuation_key": str,
+            "metadata": str,
+            "raw_request": bytes,
+            "raw_response": bytes,
+        },
+        pk="id",
+        foreign_keys=[
+            ("trajectory_id", "trajectories", "id"),
+            ("parent_step_id", "steps", "id"),
+            ("request_hash", "blobs", "hash"),
+        ],
+        defaults={"channel": "train", "status": "ok"},
+    )
+    db["steps"].create_index(["trajectory_id", "step_index"])
+    db["steps"].create_index(["continuation_key"])
+    db["steps"].create_index(["response_id"])
+    db["steps"].create_index(["started_at"])
+    db["trajectories"].create_index(["group_id"])
+
+
+def _m002_tokens(db: sqlite_utils.Database) -> None:
+    steps = db["steps"]
+    # Prompt ids are stored as a delta against the parent's prompt+response ids (int32 little endian),
+    # response ids and logprobs whole (int32 / float32).
+    for name, typ in [
+        ("token_provenance", str),  # none | exact | rendered | spliced
+        ("prompt_len", int),
+        ("prompt_base_len", int),
+        ("prompt_suffix", bytes),
+        ("response_len", int),
+        ("response_ids", bytes),
+        ("logprobs", bytes),
+        ("spliced_len", int),  # leading prompt tokens taken from the parent's exact ids
+        ("tokenizer", str),
+        ("fidelity", str),  # ok | divergent (rendering could not reproduce itself)
+        ("fidelity_detail", str),
+        ("consistency", str),  # consistent | divergent | root (parent→child token prefix check)
+        ("divergence_pos", int),
+        ("divergence_reason", str),
+    ]:
+        steps.add_column(name, typ)
+    db.execute("UPDATE steps SET token_provenance = 'none' WHERE token_provenance IS NULL")
+
+
+MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
+    ("capture", _m001_capture),
+    ("tokens", _m002_tokens),
+]
+
+
+def migrate(db: sqlite_utils.Database) -> int:
+    """Apply pending migrations in order, each in its own transaction. Returns the schema version."""
+    if not db["schema_migrations"].exists():
+        db["schema_migrations"].create({"version": int, "name": str, "applied_at": str}, pk="version", if_not_exists=True)
+    conn = db.conn
+    for version, (name, apply) in enumerate(MIGRATIONS, start=1):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            done = conn.execute("SELECT 1 FROM schema_migrations WHERE version = ?", [version]).fetchone()
+            if not done:
+                apply(db)
+                conn.execute(
+                    "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
+                    [version, name, _dt.datetime.now(_dt.UTC).isoformat()],
+                )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    return len(MIGRATIONS)
