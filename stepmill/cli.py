@@ -1,0 +1,161 @@
+"""The ``stepmill`` command: proxy, env, ui, export, stats, tokenize."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+import click
+
+from . import __version__
+
+DB_OPTION = click.option("--db", default="stepmill.db", show_default=True, envvar="STEPMILL_DB",
+                         type=click.Path(dir_okay=False), help="SQLite file holding the steps.")
+CONFDIR_OPTION = click.option("--confdir", default="~/.mitmproxy", show_default=True,
+                              help="mitmproxy's directory (its CA lives there).")
+
+
+@click.group()
+@click.version_option(__version__)
+def main():
+    """stepmill: agents' LLM traffic in, training-ready RL step records out."""
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.option("--port", default=8080, show_default=True, help="Proxy port.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--control-port", type=int, default=None,
+              help="Also answer the control API directly on this port (default: none; it is always "
+                   "reachable as http://stepmill.local through the proxy and under /_stepmill/ on the proxy port).")
+@DB_OPTION
+@CONFDIR_OPTION
+@click.argument("mitmproxy_args", nargs=-1, type=click.UNPROCESSED)
+def proxy(port, host, control_port, db, confdir, mitmproxy_args):
+    """Run mitmproxy with the stepmill addon.
+
+    Extra arguments go to mitmdump as they are: more `-s` scripts, `--set name=value`,
+    `--mode reverse:https://api.openai.com` for agents that only take a base URL,
+    `--mode upstream:http://corp-proxy:3128`.
+    """
+    from mitmproxy.tools.main import mitmdump
+
+    from .addon import SCRIPT
+    from .proxy_env import ensure_bundle, ensure_ca
+
+    ca = ensure_ca(confdir)
+    bundle = ensure_bundle(confdir)
+    args = ["-s", SCRIPT, "--set", f"stepmill_db={db}", "--set", f"confdir={confdir}",
+            "--listen-host", host, "--listen-port", str(port)]
+    extra = list(mitmproxy_args)
+    if not any(a == "--mode" or a.startswith("--mode=") or a == "-m" for a in extra):
+        args += ["--mode", f"regular@{port}"]
+    if control_port:
+        args += ["--mode", f"reverse:http://stepmill.local@{control_port}"]
+    click.echo(f"stepmill {__version__}: proxy on http://{host}:{port}, steps in {db}", err=True)
+    click.echo(f"mitmproxy CA: {ca}", err=True)
+    click.echo(f"trust bundle (system CAs + mitmproxy CA): {bundle}", err=True)
+    click.echo(f'agents: eval "$(stepmill env --port {port})"', err=True)
+    sys.exit(mitmdump(args + extra) or 0)
+
+
+@main.command()
+@click.option("--port", default=8080, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--trajectory", help="Tag every call of this shell with a trajectory id (proxy credentials).")
+@click.option("--group", help="... and a group id (GRPO).")
+@CONFDIR_OPTION
+def env(port, host, trajectory, group, confdir):
+    """Print the shell exports that send an agent through the proxy: eval "$(stepmill env)"."""
+    from .proxy_env import agent_env
+
+    for name, value in agent_env(host, port, confdir, trajectory, group).items():
+        click.echo(f"export {name}={shlex.quote(value)}")
+
+
+@main.command("addon-path")
+def addon_path():
+    """Path of the addon script, for `mitmdump -s`."""
+    from .addon import SCRIPT
+
+    click.echo(SCRIPT)
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@DB_OPTION
+@click.option("--port", default=8001, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.argument("datasette_args", nargs=-1, type=click.UNPROCESSED)
+def ui(db, port, host, datasette_args):
+    """Browse, review and curate the steps in Datasette."""
+    from .store import Store
+    from .store.ui import serve_args
+
+    Store(db).close()  # create or migrate the file first, so Datasette sees the full schema
+    from datasette.cli import cli as datasette_cli
+
+    args = serve_args(db, host=host, port=port) + list(datasette_args)
+    datasette_cli.main(args=args, prog_name="stepmill ui")
+
+
+@main.command()
+@DB_OPTION
+@click.option("--format", "fmt", type=click.Choice(["jsonl"]), default="jsonl", show_default=True)
+@click.option("--out", type=click.File("w"), default="-", help="Output file (default: stdout).")
+@click.option("--where", help="SQL condition on the steps table, e.g. \"status = 'ok'\" (alias s).")
+@click.option("--no-tokens", is_flag=True, help="Leave prompt_ids / response_ids / logprobs out.")
+def export(db, fmt, out, where, no_tokens):
+    """Write steps as JSON Lines, one object per step."""
+    from .store import Store
+
+    store = Store(db)
+    count = 0
+    for record in store.iter_steps(where, with_tokens=not no_tokens):
+        out.write(json.dumps(record, ensure_ascii=False) + "\n")
+        count += 1
+    click.echo(f"exported {count} steps", err=True)
+
+
+@main.command()
+@DB_OPTION
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def stats(db, as_json):
+    """Counts per api, model and status; trajectories; tokens; token fidelity."""
+    from .store import Store
+
+    data = Store(db).stats()
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(f"steps: {data['steps']}   trajectories: {data['trajectories']}   groups: {data['groups']}")
+    for title, key in [("api", "by_api"), ("model", "by_model"), ("status", "by_status"),
+                       ("channel", "by_channel"), ("token ids", "by_token_provenance")]:
+        click.echo(f"{title}: " + ", ".join(f"{k} {v}" for k, v in data[key].items()))
+    t = data["tokens"]
+    click.echo(f"tokens: input {t['input']}, output {t['output']}, cache read {t['cache_read']}, "
+               f"cache write {t['cache_write']}")
+
+    def share(value):
+        return "n/a" if value is None else f"{value:.1%}"
+
+    click.echo(f"exact ids: {share(data['exact_id_share'])} of steps; consistent parent→child token prefixes: "
+               f"{share(data['consistent_share'])} of {data['parent_child_pairs_checked']} checked pairs")
+    if data["policy_version"] is not None:
+        click.echo(f"policy version: {data['policy_version']}")
+
+
+@main.command("policy-version")
+@DB_OPTION
+@click.argument("version", required=False)
+def policy_version(db, version):
+    """Show or set the policy version stamped on steps captured from now on."""
+    from .store import Store
+
+    store = Store(db)
+    if version is not None:
+        store.set_policy_version(version)
+    click.echo(store.policy_version() or "")
+
+
+if __name__ == "__main__":
+    main()

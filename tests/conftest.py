@@ -1,0 +1,181 @@
+"""Real parts, really started: the test upstream, `stepmill proxy` (mitmproxy + addon), SDK clients."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from stepmill.store import Store
+
+from .upstream import Upstream
+
+TESTS = Path(__file__).parent
+STEPMILL = [sys.executable, "-m", "stepmill.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check, timeout: float = 15.0, interval: float = 0.05, what: str = "condition"):
+    deadline = time.time() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+def http_json(method: str, url: str, body=None, *, raw: bytes | None = None, proxy: str | None = None):
+    """A plain HTTP call (no SDK): returns (status, parsed JSON)."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    handlers = [urllib.request.ProxyHandler({"http": proxy} if proxy else {})]
+    opener = urllib.request.build_opener(*handlers)
+    try:
+        with opener.open(request, timeout=15) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+@dataclass
+class Proxy:
+    port: int
+    reverse_port: int
+    control_port: int
+    db: Path
+    confdir: Path
+    env: dict
+    upstream: Upstream
+    process: subprocess.Popen
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def store(self) -> Store:
+        return Store(self.db)
+
+    def steps(self, where: str, params=(), *, count: int = 1, timeout: float = 15.0) -> list[dict]:
+        """Exported steps matching ``where`` once at least ``count`` are written."""
+        store = self.store()
+        try:
+            wait_until(lambda: len(store.query(f"SELECT id FROM steps s WHERE {where}", params)) >= count,
+                       timeout=timeout, what=f"{count} steps where {where} {params}")
+            return list(store.iter_steps(where, params))
+        finally:
+            store.close()
+
+    def trajectory_steps(self, trajectory_id: str, count: int) -> list[dict]:
+        steps = self.steps("s.trajectory_id = ?", [trajectory_id], count=count)
+        return sorted(steps, key=lambda s: s["step_index"])
+
+
+def start_proxy(tmp: Path, upstream: Upstream, *extra: str) -> Proxy:
+    port, reverse_port, control_port = free_port(), free_port(), free_port()
+    confdir, db, log = tmp / "mitm", tmp / "steps.db", tmp / "proxy.log"
+    args = STEPMILL + [
+        "proxy", "--port", str(port), "--db", str(db), "--confdir", str(confdir),
+        "--control-port", str(control_port),
+        "--mode", f"regular@{port}",
+        "--mode", f"reverse:https://127.0.0.1:{upstream.port}@{reverse_port}",
+        "-s", str(TESTS / "redirect_hosts.py"),
+        "--set", f"test_upstream_port={upstream.port}",
+        "--set", f"ssl_verify_upstream_trusted_ca={upstream.ca}",
+        "--set", "connection_strategy=lazy",
+        "--set", "termlog_verbosity=warn",
+        *extra,
+    ]
+    process = subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=tmp)
+    try:
+        wait_until(lambda: _answers(control_port) or process.poll() is not None, timeout=60, what="proxy start")
+        if process.poll() is not None:
+            raise RuntimeError(f"proxy exited: {log.read_text()}")
+        exports = subprocess.run(STEPMILL + ["env", "--port", str(port), "--confdir", str(confdir)],
+                                 capture_output=True, text=True, check=True).stdout
+    except BaseException:
+        process.kill()
+        raise
+    env = {}
+    for line in exports.splitlines():
+        name, _, value = line.removeprefix("export ").partition("=")
+        env[name] = shlex.split(value)[0]
+    return Proxy(port, reverse_port, control_port, db, confdir, env, upstream, process, log)
+
+
+def _answers(port: int) -> bool:
+    try:
+        status, _ = http_json("GET", f"http://127.0.0.1:{port}/v1/health")
+        return status == 200
+    except OSError:
+        return False
+
+
+def stop_proxy(proxy: Proxy) -> None:
+    proxy.process.terminate()
+    try:
+        proxy.process.wait(15)
+    except subprocess.TimeoutExpired:
+        proxy.process.kill()
+
+
+@pytest.fixture(scope="session")
+def upstream(tmp_path_factory) -> Upstream:
+    return Upstream(tmp_path_factory.mktemp("upstream")).start()
+
+
+@pytest.fixture(scope="session")
+def proxy(tmp_path_factory, upstream):
+    started = start_proxy(tmp_path_factory.mktemp("proxy"), upstream)
+    # Agents get the proxy through their environment, as `eval "$(stepmill env)"` gives it.
+    saved = {k: os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "SSL_CERT_FILE", "NO_PROXY", "no_proxy")}
+    os.environ["HTTPS_PROXY"] = started.env["HTTPS_PROXY"]
+    os.environ["https_proxy"] = started.env["https_proxy"]
+    os.environ["SSL_CERT_FILE"] = started.env["SSL_CERT_FILE"]
+    os.environ.pop("NO_PROXY", None)
+    os.environ.pop("no_proxy", None)
+    yield started
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    stop_proxy(started)
+
+
+@pytest.fixture
+def marker() -> str:
+    """A unique string to find this test's steps by."""
+    return uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def openai_client(proxy):
+    import openai
+
+    return openai.OpenAI(api_key="sk-test-secret", base_url="https://api.openai.com/v1", max_retries=0, timeout=30)
+
+
+@pytest.fixture
+def anthropic_client(proxy):
+    import anthropic
+
+    return anthropic.Anthropic(api_key="sk-ant-test-secret", base_url="https://api.anthropic.com", max_retries=0,
+                               timeout=30)

@@ -1,0 +1,439 @@
+"""A local LLM upstream for the tests: OpenAI Chat/Completions/Responses (HTTP, SSE, WebSocket),
+Anthropic Messages (HTTP, SSE), and a vLLM-like engine that returns token ids and logprobs.
+
+Replies are deterministic functions of the request, so a tool loop runs without a model:
+a user turn with tools gets a tool call, a tool result gets a final answer. Special model
+names trigger the failure modes (see ``FAILURES``).
+
+Token ids of the engine mode come from a byte-level toy tokenizer: each message renders as
+``<role>`` + UTF-8 bytes of its text + END (id 256), the generation prompt is ``<assistant>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import ipaddress
+import json
+import ssl
+import threading
+import uuid
+from pathlib import Path
+
+from aiohttp import WSMsgType, web
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+END = 256
+FAILURES = ("bad-json", "http-500", "cut-stream", "gated-stream", "unknown-event", "ws-close")
+
+
+# -- TLS ---------------------------------------------------------------------------------------
+def make_certs(folder: Path) -> tuple[Path, Path, Path]:
+    """A CA and a server certificate for localhost, 127.0.0.1 and the public API names."""
+    now = dt.datetime.now(dt.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "stepmill test upstream CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(days=1))
+          .not_valid_after(now + dt.timedelta(days=30))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    names = [x509.DNSName(n) for n in ("localhost", "api.openai.com", "api.anthropic.com", "engine.local")]
+    names.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(days=1)).not_valid_after(now + dt.timedelta(days=30))
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    folder.mkdir(parents=True, exist_ok=True)
+    ca_path, cert_path, key_path = folder / "upstream-ca.pem", folder / "upstream.pem", folder / "upstream-key.pem"
+    ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return ca_path, cert_path, key_path
+
+
+# -- the toy engine tokenizer -------------------------------------------------------------------------
+def encode_text(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def render_ids(messages: list[dict]) -> list[int]:
+    ids: list[int] = []
+    for m in messages:
+        text = m.get("content") if isinstance(m.get("content"), str) else json.dumps(m.get("content"))
+        ids += encode_text(f"<{m.get('role')}>") + encode_text(text or "") + [END]
+    return ids + encode_text("<assistant>")
+
+
+def fake_logprobs(n: int) -> list[float]:
+    return [-round(0.05 + 0.1 * (i % 7), 4) for i in range(n)]
+
+
+# -- reply policy -----------------------------------------------------------------------------------
+def _text_of(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def decide(last_role: str, last_text: str, has_tools: bool) -> tuple[str, str | None]:
+    """('tool', tool name) for a user turn with tools, else ('text', answer)."""
+    if last_role == "user" and has_tools and "no tools" not in last_text:
+        return "tool", "get_weather"
+    if last_role == "tool":
+        return "text", f"The tool said: {last_text[:60]}"
+    return "text", f"Echo: {last_text[:80]}"
+
+
+class Upstream:
+    def __init__(self, folder: Path):
+        self.ca, self.cert, self.key = make_certs(folder)
+        self.port: int | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.gates: dict[str, asyncio.Event] = {}
+        self.requests: list[dict] = []  # bodies as received, for assertions on what reached upstream
+        self._runner = None
+        self._ready = threading.Event()
+
+    # lifecycle
+    def start(self) -> "Upstream":
+        threading.Thread(target=self._run, daemon=True).start()
+        if not self._ready.wait(15):
+            raise RuntimeError("upstream did not start")
+        return self
+
+    def _run(self):
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses", self.responses_ws)
+        app.router.add_post("/v1/messages", self.messages)
+        self._runner = web.AppRunner(app)
+        self.loop.run_until_complete(self._runner.setup())
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.cert, self.key)
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=context)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self.loop.run_forever()
+
+    def release(self, gate: str) -> None:
+        """Let a gated stream send its remaining events."""
+        self.loop.call_soon_threadsafe(self._gate(gate).set)
+
+    def _gate(self, name: str) -> asyncio.Event:
+        return self.gates.setdefault(name, asyncio.Event())
+
+    # helpers
+    async def _body(self, request) -> dict | None:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            self.requests.append({"_malformed": raw.decode("utf-8", "replace")})
+            return None
+        self.requests.append(body)
+        return body
+
+    @staticmethod
+    def _bad_request(message: str) -> web.Response:
+        return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=400)
+
+    async def _sse(self, request, events, *, cut_after: int | None = None, gate: str | None = None):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for i, (name, data) in enumerate(events):
+            if cut_after is not None and i == cut_after:
+                request.transport.close()  # drop the connection mid-stream
+                return response
+            if gate is not None and i == 1:
+                await self._gate(gate).wait()
+            prefix = f"event: {name}\n" if name else ""
+            payload = data if isinstance(data, str) else json.dumps(data)
+            await response.write(f"{prefix}data: {payload}\n\n".encode())
+        await response.write_eof()
+        return response
+
+    async def _failure(self, model: str):
+        if model == "bad-json":
+            return web.Response(text='{"id": "broken", "choices": [', content_type="application/json")
+        if model == "http-500":
+            return web.json_response({"error": {"message": "upstream exploded", "type": "server_error"}}, status=500)
+        return None
+
+    # -- OpenAI Chat Completions (and vLLM-style ids) ---------------------------------------------
+    async def chat(self, request):
+        body = await self._body(request)
+        if body is None:
+            return self._bad_request("could not parse the JSON body")
+        model = body.get("model", "")
+        failure = await self._failure(model)
+        if failure:
+            return failure
+        messages = body.get("messages") or []
+        last = messages[-1] if messages else {"role": "user", "content": ""}
+        kind, value = decide(last.get("role"), _text_of(last.get("content")), bool(body.get("tools")))
+        rid = f"chatcmpl-{uuid.uuid4().hex[:12]}"
+        if kind == "tool":
+            call = {"id": f"call_{uuid.uuid4().hex[:8]}", "type": "function",
+                    "function": {"name": value, "arguments": json.dumps({"city": "Paris", "unit": "c"})}}
+            message, finish, text = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls", ""
+        else:
+            message, finish, text = {"role": "assistant", "content": value}, "stop", value
+        engine = bool(body.get("return_token_ids"))
+        prompt_ids = render_ids([{"role": m.get("role"), "content": _text_of(m.get("content")) or
+                                  json.dumps(m.get("tool_calls"))} for m in messages])
+        response_ids = encode_text(text or json.dumps(message.get("tool_calls"))) + [END]
+        if "[[drift]]" in _text_of(last.get("content")) and response_ids:
+            response_ids[0] = 1000 + response_ids[0]  # a sampled token the re-encoded text will not reproduce
+        want_logprobs = bool(body.get("logprobs"))
+        logprobs = fake_logprobs(len(response_ids))
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(response_ids),
+                 "total_tokens": len(prompt_ids) + len(response_ids), "prompt_tokens_details": {"cached_tokens": 3}}
+        if not body.get("stream"):
+            choice = {"index": 0, "message": message, "finish_reason": finish,
+                      "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                                               for t, lp in zip(response_ids, logprobs)]} if want_logprobs else None}
+            payload = {"id": rid, "object": "chat.completion", "created": 1, "model": model, "choices": [choice],
+                       "usage": usage}
+            if engine:
+                payload["prompt_token_ids"] = prompt_ids
+                choice["token_ids"] = response_ids
+            return web.json_response(payload)
+        chunks = []
+        base = {"id": rid, "object": "chat.completion.chunk", "created": 1, "model": model}
+        first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        if engine:
+            first["prompt_token_ids"] = prompt_ids
+        chunks.append((None, first))
+        if kind == "tool":
+            call = message["tool_calls"][0]
+            args = call["function"]["arguments"]
+            pieces = [args[: len(args) // 2], args[len(args) // 2:]]
+            chunks.append((None, {**base, "choices": [{"index": 0, "delta": {"tool_calls": [
+                {"index": 0, "id": call["id"], "type": "function", "function": {"name": value, "arguments": ""}}]},
+                "finish_reason": None}]}))
+            for piece in pieces:
+                chunks.append((None, {**base, "choices": [{"index": 0, "delta": {"tool_calls": [
+                    {"index": 0, "function": {"arguments": piece}}]}, "finish_reason": None}]}))
+            id_groups = [response_ids]
+        else:
+            words = [text[i:i + 7] for i in range(0, len(text), 7)] or [""]
+            id_groups, pos = [], 0
+            for word in words:
+                n = len(word.encode())
+                id_groups.append(response_ids[pos:pos + n])
+                pos += n
+            id_groups[-1] = id_groups[-1] + response_ids[pos:]
+            start = 0
+            for word, ids in zip(words, id_groups):
+                choice = {"index": 0, "delta": {"content": word}, "finish_reason": None}
+                if engine:
+                    choice["token_ids"] = ids
+                if want_logprobs:
+                    choice["logprobs"] = {"content": [{"token": f"token_id:{t}", "logprob": logprobs[start + j],
+                                                       "bytes": None, "top_logprobs": []} for j, t in enumerate(ids)]}
+                start += len(ids)
+                chunks.append((None, {**base, "choices": [choice]}))
+            id_groups = []
+        if kind == "tool" and engine:
+            chunks[-1][1]["choices"][0]["token_ids"] = response_ids
+        if kind == "tool" and want_logprobs:
+            chunks[-1][1]["choices"][0]["logprobs"] = {"content": [
+                {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                for t, lp in zip(response_ids, logprobs)]}
+        final = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]}
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append((None, final))
+            final = {**base, "choices": [], "usage": usage}
+        chunks.append((None, final))
+        chunks.append((None, "[DONE]"))
+        return await self._stream(request, model, chunks)
+
+    async def _stream(self, request, model, events):
+        if model == "cut-stream":
+            return await self._sse(request, events, cut_after=2)
+        if model.startswith("gated-stream"):
+            return await self._sse(request, events, gate=model)
+        return await self._sse(request, events)
+
+    async def completions(self, request):
+        body = await self._body(request)
+        if body is None:
+            return self._bad_request("could not parse the JSON body")
+        text = f"Completed: {str(body.get('prompt'))[:40]}"
+        return web.json_response({"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
+                                  "created": 1, "model": body.get("model"),
+                                  "choices": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}],
+                                  "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}})
+
+    # -- OpenAI Responses ---------------------------------------------------------------------------
+    def _response_events(self, body: dict) -> tuple[list[dict], dict]:
+        rid = f"resp_{uuid.uuid4().hex[:16]}"
+        model = body.get("model", "")
+        items = body.get("input")
+        items = [{"role": "user", "content": items}] if isinstance(items, str) else (items or [])
+        last = items[-1] if items else {"role": "user", "content": ""}
+        if last.get("type") == "function_call_output":
+            kind, value = "text", f"The tool said: {str(last.get('output'))[:60]}"
+        else:
+            kind, value = decide(last.get("role", "user"), _text_of(last.get("content")), bool(body.get("tools")))
+        output = []
+        if body.get("generate") is False:
+            kind = "none"
+        if kind != "none" and (body.get("reasoning") or {}).get("effort"):
+            output.append({"id": f"rs_{uuid.uuid4().hex[:8]}", "type": "reasoning",
+                           "summary": [{"type": "summary_text", "text": "Thinking about it."}],
+                           "encrypted_content": "gAAAA-opaque"})
+        if kind == "tool":
+            output.append({"id": f"fc_{uuid.uuid4().hex[:8]}", "type": "function_call", "status": "completed",
+                           "call_id": f"call_{uuid.uuid4().hex[:8]}", "name": value,
+                           "arguments": json.dumps({"city": "Paris"})})
+        elif kind == "text":
+            output.append({"id": f"msg_{uuid.uuid4().hex[:8]}", "type": "message", "status": "completed",
+                           "role": "assistant", "content": [{"type": "output_text", "text": value, "annotations": []}]})
+        base = {"id": rid, "object": "response", "created_at": 1, "model": model, "output": [],
+                "previous_response_id": body.get("previous_response_id"), "status": "in_progress",
+                "instructions": body.get("instructions"), "tools": body.get("tools") or []}
+        done = {**base, "status": "completed", "output": output,
+                "usage": {"input_tokens": 20, "output_tokens": 7, "total_tokens": 27,
+                          "input_tokens_details": {"cached_tokens": 10}, "output_tokens_details": {"reasoning_tokens": 0}}}
+        events = [{"type": "response.created", "response": base}, {"type": "response.in_progress", "response": base}]
+        for index, item in enumerate(output):
+            events.append({"type": "response.output_item.added", "output_index": index,
+                           "item": {**item, "status": "in_progress",
+                                    **({"content": []} if item["type"] == "message" else {}),
+                                    **({"arguments": ""} if item["type"] == "function_call" else {})}})
+            if item["type"] == "message":
+                text = item["content"][0]["text"]
+                for i in range(0, len(text), 9):
+                    events.append({"type": "response.output_text.delta", "output_index": index, "content_index": 0,
+                                   "item_id": item["id"], "delta": text[i:i + 9]})
+            elif item["type"] == "function_call":
+                events.append({"type": "response.function_call_arguments.delta", "output_index": index,
+                               "item_id": item["id"], "delta": item["arguments"]})
+            events.append({"type": "response.output_item.done", "output_index": index, "item": item})
+        events.append({"type": "response.completed", "response": done})
+        for n, event in enumerate(events):
+            event["sequence_number"] = n
+        return events, done
+
+    async def responses(self, request):
+        body = await self._body(request)
+        if body is None:
+            return self._bad_request("could not parse the JSON body")
+        failure = await self._failure(body.get("model", ""))
+        if failure:
+            return failure
+        events, done = self._response_events(body)
+        if not body.get("stream"):
+            return web.json_response(done)
+        return await self._stream(request, body.get("model", ""), [(e["type"], e) for e in events])
+
+    async def responses_ws(self, request):
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        async for message in ws:
+            if message.type != WSMsgType.TEXT:
+                continue
+            body = json.loads(message.data)
+            self.requests.append(body)
+            if body.get("type") != "response.create":
+                continue
+            events, _ = self._response_events(body)
+            for i, event in enumerate(events):
+                if body.get("model") == "ws-close" and i == 3:
+                    await ws.close(code=1011, message=b"upstream gave up")
+                    return ws
+                await ws.send_str(json.dumps(event))
+        return ws
+
+    # -- Anthropic Messages ---------------------------------------------------------------------------
+    async def messages(self, request):
+        body = await self._body(request)
+        if body is None:
+            return web.json_response({"type": "error", "error": {"type": "invalid_request_error",
+                                                                  "message": "could not parse the JSON body"}}, status=400)
+        model = body.get("model", "")
+        failure = await self._failure(model)
+        if failure:
+            return failure
+        messages = body.get("messages") or []
+        last = messages[-1] if messages else {"role": "user", "content": ""}
+        content = last.get("content")
+        if isinstance(content, list) and any(b.get("type") == "tool_result" for b in content):
+            result = next(b for b in content if b.get("type") == "tool_result")
+            kind, value = "text", f"The tool said: {_text_of(result.get('content'))[:60]}"
+        else:
+            kind, value = decide("user", _text_of(content), bool(body.get("tools")))
+        blocks = []
+        if (body.get("thinking") or {}).get("type") == "enabled":
+            blocks.append({"type": "thinking", "thinking": "Let me look at the weather tool.", "signature": "sig-" + uuid.uuid4().hex})
+            blocks.append({"type": "redacted_thinking", "data": "opaque-redacted-bytes"})
+        if kind == "tool":
+            blocks.append({"type": "text", "text": "Checking."})
+            blocks.append({"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:10]}", "name": value,
+                           "input": {"city": "Paris", "days": 2}})
+            stop = "tool_use"
+        else:
+            blocks.append({"type": "text", "text": value})
+            stop = "end_turn"
+        mid = f"msg_{uuid.uuid4().hex[:16]}"
+        usage = {"input_tokens": 30, "output_tokens": 12, "cache_read_input_tokens": 25, "cache_creation_input_tokens": 5}
+        if not body.get("stream"):
+            return web.json_response({"id": mid, "type": "message", "role": "assistant", "model": model,
+                                      "content": blocks, "stop_reason": stop, "stop_sequence": None, "usage": usage})
+        events = [("message_start", {"type": "message_start", "message": {
+            "id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
+            "stop_sequence": None, "usage": {"input_tokens": 30, "output_tokens": 1, "cache_read_input_tokens": 25,
+                                             "cache_creation_input_tokens": 5}}})]
+        events.append(("ping", {"type": "ping"}))
+        for index, block in enumerate(blocks):
+            if block["type"] == "text":
+                events.append(("content_block_start", {"type": "content_block_start", "index": index,
+                                                       "content_block": {"type": "text", "text": ""}}))
+                text = block["text"]
+                for i in range(0, len(text), 6):
+                    events.append(("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                           "delta": {"type": "text_delta", "text": text[i:i + 6]}}))
+            elif block["type"] == "thinking":
+                events.append(("content_block_start", {"type": "content_block_start", "index": index,
+                                                       "content_block": {"type": "thinking", "thinking": "", "signature": ""}}))
+                events.append(("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                       "delta": {"type": "thinking_delta", "thinking": block["thinking"]}}))
+                events.append(("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                       "delta": {"type": "signature_delta", "signature": block["signature"]}}))
+            elif block["type"] == "redacted_thinking":
+                events.append(("content_block_start", {"type": "content_block_start", "index": index,
+                                                       "content_block": block}))
+            elif block["type"] == "tool_use":
+                events.append(("content_block_start", {"type": "content_block_start", "index": index,
+                                                       "content_block": {**block, "input": {}}}))
+                raw = json.dumps(block["input"])
+                for piece in (raw[:8], raw[8:]):
+                    events.append(("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                           "delta": {"type": "input_json_delta", "partial_json": piece}}))
+            events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+        if model == "unknown-event":
+            events.insert(3, ("mystery_event", {"type": "mystery_event", "payload": 1}))
+        events.append(("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
+                                         "usage": {"output_tokens": 12}}))
+        events.append(("message_stop", {"type": "message_stop"}))
+        return await self._stream(request, model, events)
