@@ -323,9 +323,13 @@ class Upstream:
                                     **({"arguments": ""} if item["type"] == "function_call" else {})}})
             if item["type"] == "message":
                 text = item["content"][0]["text"]
+                part = {"output_index": index, "content_index": 0, "item_id": item["id"]}
+                events.append({"type": "response.content_part.added", **part,
+                               "part": {"type": "output_text", "text": "", "annotations": []}})
                 for i in range(0, len(text), 9):
-                    events.append({"type": "response.output_text.delta", "output_index": index, "content_index": 0,
-                                   "item_id": item["id"], "delta": text[i:i + 9]})
+                    events.append({"type": "response.output_text.delta", **part, "delta": text[i:i + 9]})
+                events.append({"type": "response.output_text.done", **part, "text": text})
+                events.append({"type": "response.content_part.done", **part, "part": item["content"][0]})
             elif item["type"] == "function_call":
                 events.append({"type": "response.function_call_arguments.delta", "output_index": index,
                                "item_id": item["id"], "delta": item["arguments"]})
