@@ -365,7 +365,6 @@ class StepmillAddon:
     def _write(self, capture: Capture, request: ParsedRequest | None, parse_error: str | None,
                completion: Completion, *, transport: str, started: float, ended: float, ttft_ms: float | None,
                http_status: int | None, raw_request: bytes | None, raw_response: bytes | None):
-        capture.recorded = transport != "websocket"
         status, error = completion.status, completion.error
         if parse_error:
             status, error = "error", parse_error + (f"; {error}" if error else "")
@@ -415,6 +414,7 @@ class StepmillAddon:
             token_provenance="exact" if completion.response_ids is not None else None,
         )
         self.store.record_step(record)
+        capture.recorded = transport != "websocket"  # a WebSocket records one step per turn
 
     def _record_failure(self, capture: Capture, message: str, flow: http.HTTPFlow):
         """Last resort: keep the raw exchange with an error, so nothing is lost."""

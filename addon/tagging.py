@@ -19,6 +19,10 @@ GROUP_HEADER = "x-stepmill-group"
 CHANNEL_HEADER = "x-stepmill-channel"
 SESSION_HEADERS = ("x-claude-code-session-id", "session_id", "session-id", "x-session-id")
 SECRET_HEADERS = re.compile(r"authorization|cookie|api[-_]?key|secret|token|password", re.I)
+# Per-request transport details: they identify no agent and would make every call's headers unique.
+TRANSPORT_HEADERS = {"content-length", "content-type", "content-encoding", "transfer-encoding", "connection",
+                     "keep-alive", "proxy-connection", "accept", "accept-encoding", "te", "host",
+                     "x-stainless-retry-count", "x-stainless-read-timeout", "idempotency-key", "x-request-id"}
 
 
 @dataclass
@@ -74,4 +78,5 @@ def session_id(headers) -> str | None:
 
 def identifying_headers(headers) -> dict:
     """Request headers worth keeping to tell agents apart; anything secret is left out."""
-    return {k.lower(): v for k, v in headers.items() if not SECRET_HEADERS.search(k)}
+    return {k.lower(): v for k, v in headers.items()
+            if not SECRET_HEADERS.search(k) and k.lower() not in TRANSPORT_HEADERS}

@@ -45,9 +45,9 @@ def _m001_capture(db: sqlite_utils.Database) -> None:
             "messages_base_len": int,
             "messages_suffix": str,
             "wire_base_len": int,
-            "wire_suffix": str,
+            "wire_suffix": bytes,  # zlib-compressed JSON: the wire form is archival, rarely read
             "completion": str,
-            "wire_completion": str,
+            "wire_completion": bytes,  # zlib-compressed JSON
             "finish_reason": str,
             "usage": str,
             "input_tokens": int,
@@ -63,7 +63,7 @@ def _m001_capture(db: sqlite_utils.Database) -> None:
             "channel": str,
             "policy_version": str,
             "reward": float,
-            "headers": str,
+            "headers_hash": str,  # identifying request headers, in blobs (agents repeat them every call)
             "link_key": str,
             "continuation_key": str,
             "metadata": str,
@@ -75,6 +75,7 @@ def _m001_capture(db: sqlite_utils.Database) -> None:
             ("trajectory_id", "trajectories", "id"),
             ("parent_step_id", "steps", "id"),
             ("request_hash", "blobs", "hash"),
+            ("headers_hash", "blobs", "hash"),
         ],
         defaults={"channel": "train", "status": "ok"},
     )

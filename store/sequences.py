@@ -30,7 +30,7 @@ def common_prefix_len(a: Sequence, b: Sequence) -> int:
 
 def split_against(seq: Sequence, base: Sequence | None) -> tuple[int, Sequence]:
     """(base_len, suffix) such that ``base[:base_len] + suffix == seq``."""
-    if not base:
+    if base is None or len(base) == 0:
         return 0, seq
     k = common_prefix_len(base, seq)
     return k, seq[k:]

@@ -134,6 +134,10 @@ def stop_proxy(proxy: Proxy) -> None:
         proxy.process.wait(15)
     except subprocess.TimeoutExpired:
         proxy.process.kill()
+    # The addon logs (never raises) when one of its hooks fails; a test run must show none.
+    failures = [line for line in proxy.log.read_text(errors="replace").splitlines()
+                if line.startswith("stepmill:") and "fail" in line]
+    assert not failures, "the stepmill addon reported failures:\n" + "\n".join(failures)
 
 
 @pytest.fixture(scope="session")

@@ -106,5 +106,6 @@ def test_secrets_are_never_written(proxy, openai_client, marker):
                                     if proxy.db.with_name("steps.db-wal").exists() else b"")
     assert b"sk-test-secret" not in data
     store = proxy.store()
-    headers = json.loads(store.query("SELECT headers FROM steps WHERE messages_suffix LIKE ?", [f"%{marker}%"])[0]["headers"])
+    headers = json.loads(store.query("SELECT b.body FROM steps s JOIN blobs b ON b.hash = s.headers_hash"
+                                     " WHERE s.messages_suffix LIKE ?", [f"%{marker}%"])[0]["body"])
     assert "authorization" not in headers and "user-agent" in headers

@@ -1,0 +1,82 @@
+"""The store keeps a conversation's history once, not once per step."""
+
+import json
+import sqlite3
+
+import openai
+import pytest
+
+from stepmill.store import Store, StepRecord
+
+
+def _checkpointed_size(path) -> int:
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    return path.stat().st_size
+
+
+def test_fifty_turn_trajectory_stays_within_three_times_its_last_request(proxy, tmp_path, upstream):
+    """A 50-turn tool loop through the real proxy, each request re-sending the whole history."""
+    from .conftest import start_proxy, stop_proxy
+
+    own = start_proxy(tmp_path, upstream)  # a fresh database, so its growth is this trajectory's alone
+    try:
+        empty = _checkpointed_size(own.db)
+        import httpx2
+        import ssl
+
+        http_client = httpx2.Client(proxy=own.url, verify=ssl.create_default_context(cafile=own.env["SSL_CERT_FILE"]))
+        client = openai.OpenAI(api_key="sk-x", base_url="https://api.openai.com/v1", max_retries=0,
+                               http_client=http_client, default_headers={"X-Stepmill-Trajectory": "long"})
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+        messages = [{"role": "system", "content": "You are a careful agent. " * 20},
+                    {"role": "user", "content": "Plan a trip. " * 10}]
+        last_request = b""
+        for turn in range(50):
+            reply = client.chat.completions.with_raw_response.create(model="gpt-test", messages=messages, tools=[tool])
+            last_request = reply.http_request.content
+            message = reply.parse().choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if message.tool_calls:
+                messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id,
+                                 "content": f"observation {turn}: " + "weather data " * 60})
+            else:
+                messages.append({"role": "user", "content": f"next step {turn} " * 5})
+        steps = own.trajectory_steps("long", 50)
+        assert [s["parent_step_id"] for s in steps[1:]] == [s["step_id"] for s in steps[:-1]]
+        assert own.store().wire_messages(steps[-1]["step_id"]) == json.loads(last_request)["messages"]
+        assert len(steps[-1]["messages"]) == len(json.loads(last_request)["messages"])
+        grown = _checkpointed_size(own.db) - empty
+        print(f"last request {len(last_request)} bytes, store grew {grown} bytes ({grown / len(last_request):.2f}x)")
+        assert grown <= 3 * len(last_request)
+    finally:
+        stop_proxy(own)
+
+
+def test_branching_conversation_rebuilds_each_branch(tmp_path):
+    store = Store(tmp_path / "s.db")
+    base = [{"role": "user", "content": "root"}]
+    root = store.record_step(StepRecord(api="openai.chat", messages=base, completion={"role": "assistant", "content": "a"},
+                                        wire_messages=base, wire_completion=[{"role": "assistant", "content": "a"}]))
+    branches = []
+    for name in ("left", "right"):
+        msgs = base + [{"role": "assistant", "content": "a"}, {"role": "user", "content": name}]
+        branches.append(store.record_step(StepRecord(api="openai.chat", messages=msgs, wire_messages=msgs,
+                                                     completion={"role": "assistant", "content": name.upper()})))
+    store2 = Store(tmp_path / "s.db")  # a cold reader rebuilds from the deltas
+    for step_id, name in zip(branches, ("left", "right")):
+        record = store2.step(step_id)
+        assert record["parent_step_id"] == root
+        assert record["messages"][-1] == {"role": "user", "content": name}
+        assert len(record["messages"]) == 3
+    assert store2.wire_messages(branches[1])[-1] == {"role": "user", "content": "right"}
+    rows = store2.query("SELECT messages_base_len FROM steps WHERE id IN (?, ?)", branches)
+    assert {r["messages_base_len"] for r in rows} == {2}
+
+
+def test_record_rejects_unknown_status(tmp_path):
+    from stepmill.store.db import StoreError
+
+    with pytest.raises(StoreError):
+        Store(tmp_path / "s.db").record_step(StepRecord(api="openai.chat", status="weird"))
