@@ -2,6 +2,8 @@
 
 import json
 
+from stepmill.store.db import loads
+
 TOOL = {"name": "get_weather", "description": "Weather for a city",
         "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
 SYSTEM = [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}]
@@ -46,7 +48,7 @@ def test_streamed_tool_loop_with_thinking(proxy, anthropic_client, marker):
     assert one["finish_reason"] == "tool_use"
     # The wire form keeps what canonical messages cannot: signatures, redacted thinking, cache markers.
     store = proxy.store()
-    wire = json.loads(store.query("SELECT wire_completion FROM steps WHERE id = ?", [one["step_id"]])[0]["wire_completion"])
+    wire = loads(store.query("SELECT wire_completion FROM steps WHERE id = ?", [one["step_id"]])[0]["wire_completion"])
     kinds = [b["type"] for b in wire[0]["content"]]
     assert kinds == ["thinking", "redacted_thinking", "text", "tool_use"]
     assert wire[0]["content"][0]["signature"].startswith("sig-")
