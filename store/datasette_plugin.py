@@ -19,7 +19,7 @@ from .db import Store
 from .linking import content_text
 
 _stores: dict[str, Store] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # one Store connection per file, used by one thread at a time
 
 
 def _database(datasette, request):
