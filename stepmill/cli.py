@@ -144,6 +144,29 @@ def stats(db, as_json):
         click.echo(f"policy version: {data['policy_version']}")
 
 
+@main.command()
+@DB_OPTION
+@click.option("--tokenizer", "tokenizer_path", required=True,
+              help="A local tokenizer folder, or a model name already in the Hugging Face cache.")
+@click.option("--where", help="SQL condition on steps (alias s). Default: steps with a completion and no ids yet.")
+@click.option("--splice", is_flag=True,
+              help="Where the parent has exact ids, keep them and render only the new messages.")
+@click.option("--redo", is_flag=True, help="Render again steps that already have rendered or spliced ids.")
+@click.option("--batch-size", default=64, show_default=True)
+def tokenize(db, tokenizer_path, where, splice, redo, batch_size):
+    """Render steps without exact ids with the tokenizer's chat template, and check the result."""
+    from .store import Store
+    from .trainer_bridge import tokenize_steps
+
+    try:
+        report = tokenize_steps(Store(db), tokenizer_path, where=where, splice=splice, redo=redo,
+                                batch_size=batch_size)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"rendered {report.rendered} steps ({report.spliced} spliced), {report.divergent} with template "
+               f"divergences, {report.skipped} skipped, {report.failed} failed", err=True)
+
+
 @main.command("policy-version")
 @DB_OPTION
 @click.argument("version", required=False)

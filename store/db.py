@@ -361,14 +361,20 @@ class Store:
         }
 
     def set_tokens(self, step_id: str, prompt_ids, response_ids, logprobs=None, *, provenance: str,
-                   tokenizer: str | None = None, spliced_len: int | None = None,
-                   fidelity: str | None = None, fidelity_detail: str | None = None) -> None:
-        parent_id = self.db.conn.execute("SELECT parent_step_id FROM steps WHERE id = ?", [step_id]).fetchone()[0]
-        cols = self._token_columns(parent_id, prompt_ids, response_ids, logprobs, provenance, spliced_len=spliced_len)
+                   tokenizer: str | None = None, spliced_len: int | None = None, fidelity: str | None = None,
+                   fidelity_detail: str | None = None, in_transaction: bool = False) -> None:
+        """Store ids computed after capture (rendered, spliced); the parent's must already be stored."""
+        row = self.db.conn.execute("SELECT parent_step_id FROM steps WHERE id = ?", [step_id]).fetchone()
+        if row is None:
+            raise KeyError(step_id)
+        cols = self._token_columns(row[0], prompt_ids, response_ids, logprobs, provenance, spliced_len=spliced_len)
         cols.update({"tokenizer": tokenizer, "fidelity": fidelity, "fidelity_detail": fidelity_detail})
-        with self.write() as conn:
-            conn.execute(f"UPDATE steps SET {', '.join(f'{c} = ?' for c in cols)} WHERE id = ?",
-                         [*cols.values(), step_id])
+        sql = f"UPDATE steps SET {', '.join(f'{c} = ?' for c in cols)} WHERE id = ?"
+        if in_transaction:
+            self.db.conn.execute(sql, [*cols.values(), step_id])
+        else:
+            with self.write() as conn:
+                conn.execute(sql, [*cols.values(), step_id])
         self._cache.pop(("tokens", step_id), None)
 
     def token_sequences(self, step_id: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

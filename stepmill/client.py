@@ -1,0 +1,86 @@
+"""A small client for the control API of a running `stepmill proxy` (standard library only).
+
+    from stepmill.client import StepmillClient
+    client = StepmillClient(proxy="http://127.0.0.1:8080")      # through the proxy, no DNS needed
+    client = StepmillClient("http://127.0.0.1:8081")            # or directly, on --control-port
+    run = client.start_trajectory(group_id="prompt-17")
+    client.submit_step(trajectory_id=run["trajectory_id"], prompt_ids=[...], response_ids=[...], logprobs=[...])
+    client.complete_trajectory(run["trajectory_id"], reward=1.0)
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+CONTROL_HOST = "http://stepmill.local"
+
+
+class ControlError(Exception):
+    """The control API refused a request; ``status`` and ``message`` say why."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class StepmillClient:
+    def __init__(self, base_url: str | None = None, *, proxy: str | None = None, timeout: float = 30.0):
+        if base_url is None and proxy is None:
+            raise ValueError("give the control API's base_url, or the proxy to reach it through")
+        self.base_url = (base_url or CONTROL_HOST).rstrip("/")
+        self.timeout = timeout
+        handlers = [urllib.request.ProxyHandler({"http": proxy} if proxy else {})]
+        self._opener = urllib.request.build_opener(*handlers)
+
+    def request(self, method: str, path: str, body: dict | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json", "Accept": "application/json"})
+        try:
+            with self._opener.open(req, timeout=self.timeout) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            try:
+                message = json.loads(exc.read()).get("error", exc.reason)
+            except ValueError:
+                message = exc.reason
+            raise ControlError(exc.code, message) from None
+
+    # -- the API ------------------------------------------------------------------------
+    def health(self) -> dict:
+        return self.request("GET", "/v1/health")
+
+    def stats(self) -> dict:
+        return self.request("GET", "/v1/stats")
+
+    def policy_version(self) -> str | None:
+        return self.request("GET", "/v1/policy_version")["policy_version"]
+
+    def set_policy_version(self, version: str | int) -> str:
+        return self.request("PUT", "/v1/policy_version", {"policy_version": version})["policy_version"]
+
+    def start_trajectory(self, **fields) -> dict:
+        """Fields: trajectory_id, group_id, channel, metadata. Returns ids plus proxy_url / base_url."""
+        return self.request("POST", "/v1/trajectories", fields)
+
+    def trajectory(self, trajectory_id: str) -> dict:
+        return self.request("GET", f"/v1/trajectories/{trajectory_id}")
+
+    def update_trajectory(self, trajectory_id: str, **fields) -> dict:
+        return self.request("PATCH", f"/v1/trajectories/{trajectory_id}", fields)
+
+    def complete_trajectory(self, trajectory_id: str, reward: float | None = None) -> dict:
+        return self.request("POST", f"/v1/trajectories/{trajectory_id}/complete",
+                            {} if reward is None else {"reward": reward})
+
+    def submit_step(self, **fields) -> dict:
+        """Fields: prompt_ids, response_ids (required), logprobs, reward, trajectory_id, group_id,
+        parent_step_id, step_index, policy_version, is_last, metadata, messages, completion, model."""
+        return self.request("POST", "/v1/steps", fields)
+
+    def step(self, step_id: str) -> dict:
+        return self.request("GET", f"/v1/steps/{step_id}")

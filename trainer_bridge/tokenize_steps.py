@@ -1,0 +1,94 @@
+"""`stepmill tokenize`: give steps without exact ids rendered ones, with their provenance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from stepmill.store.db import Store
+
+from .render import Rendered, Renderer, load_tokenizer, template_tools
+
+
+@dataclass
+class TokenizeReport:
+    rendered: int = 0
+    spliced: int = 0
+    divergent: int = 0
+    skipped: int = 0
+    failed: int = 0
+
+
+DEFAULT_WHERE = "s.token_provenance = 'none' AND s.completion IS NOT NULL"
+
+
+def tokenize_steps(store: Store, tokenizer_path: str, *, where: str | None = None, params=(), splice: bool = False,
+                   redo: bool = False, batch_size: int = 64, progress: bool | None = None) -> TokenizeReport:
+    """Render the selected steps (parents before children) and store their ids.
+
+    ``splice``: where the parent has exact ids, keep them and render only the new suffix.
+    """
+    renderer = Renderer(load_tokenizer(tokenizer_path), name=tokenizer_path)
+    condition = where or (("s.token_provenance IN ('none', 'rendered', 'spliced') AND s.completion IS NOT NULL")
+                          if redo else DEFAULT_WHERE)
+    ids = [row["id"] for row in store.query(
+        f"SELECT s.id FROM steps s WHERE {condition} AND s.token_provenance != 'exact' ORDER BY s.started_at, s.rowid",
+        params)]
+    report = TokenizeReport()
+    bar = tqdm(total=len(ids), unit="step", desc="tokenize", disable=(not progress) if progress is not None else None)
+    for start in range(0, len(ids), batch_size):
+        batch = ids[start:start + batch_size]
+        results = []
+        for step_id in batch:
+            try:
+                results.append((step_id, _render_one(store, renderer, step_id, splice)))
+            except Exception as exc:  # one odd step must not stop a long run
+                report.failed += 1
+                results.append((step_id, exc))
+        with store.write():
+            for step_id, result in results:
+                if isinstance(result, Exception):
+                    store.set_tokens(step_id, None, None, provenance="none", tokenizer=renderer.name,
+                                     fidelity="failed", fidelity_detail=f"{type(result).__name__}: {result}",
+                                     in_transaction=True)
+                    continue
+                rendered, provenance = result
+                if rendered is None:
+                    report.skipped += 1
+                    continue
+                store.set_tokens(step_id, rendered.prompt_ids, rendered.response_ids, provenance=provenance,
+                                 tokenizer=renderer.name, spliced_len=rendered.spliced_len,
+                                 fidelity=rendered.fidelity, fidelity_detail="; ".join(rendered.details) or None,
+                                 in_transaction=True)
+                report.rendered += 1
+                report.spliced += provenance == "spliced"
+                report.divergent += rendered.fidelity != "ok"
+        bar.update(len(batch))
+    bar.close()
+    return report
+
+
+def _render_one(store: Store, renderer: Renderer, step_id: str, splice: bool):
+    record = store.step(step_id, with_tokens=False)
+    completion = record["completion"]
+    if not completion:
+        return None, None
+    if record["api"] == "openai.completions":  # no chat template: the prompt is the text itself
+        prompt = (record["params"] or {}).get("prompt")
+        if not isinstance(prompt, str):
+            return None, None
+        prompt_ids = renderer.encode(prompt)
+        return Rendered(prompt_ids, renderer.encode(completion.get("content") or "")), "rendered"
+    tools = template_tools(record["api"], record["tools"])
+    messages = record["messages"]
+    parent = record["parent_step_id"]
+    if splice and parent:
+        row = store.query("SELECT token_provenance, messages_base_len FROM steps WHERE id = ?", [step_id])[0]
+        parent_row = store.query("SELECT token_provenance, message_count FROM steps WHERE id = ?", [parent])[0]
+        shared = row["messages_base_len"] or 0
+        if parent_row["token_provenance"] in ("exact", "spliced") and shared == parent_row["message_count"] + 1:
+            prompt, response, _ = store.token_sequences(parent)
+            return renderer.splice(messages, completion, tools, list(prompt) + list(response), shared), "spliced"
+    return renderer.render(messages, completion, tools), "rendered"
+
