@@ -202,7 +202,8 @@ class StepmillAddon:
         host = request.pretty_host
         if found is None:
             return
-        if ctx.options.stepmill_hosts and host not in ctx.options.stepmill_hosts:
+        hosts = {h.strip() for value in ctx.options.stepmill_hosts for h in value.split(",") if h.strip()}
+        if hosts and host not in hosts:
             return
         api, module = found
         websocket = request.method == "GET" and request.headers.get("upgrade", "").lower() == "websocket"

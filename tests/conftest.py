@@ -89,6 +89,7 @@ class Proxy:
 
 
 def start_proxy(tmp: Path, upstream: Upstream, *extra: str) -> Proxy:
+    tmp.mkdir(parents=True, exist_ok=True)
     port, reverse_port, control_port = free_port(), free_port(), free_port()
     confdir, db, log = tmp / "mitm", tmp / "steps.db", tmp / "proxy.log"
     args = STEPMILL + [

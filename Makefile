@@ -1,0 +1,23 @@
+# `make proxy` and `make test` set up .venv on first use (Python >= 3.12, found by .ci/find-python).
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: proxy ui test bench
+
+$(PY): pyproject.toml
+	"$$(.ci/find-python)" -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(PY)
+
+proxy: $(PY)
+	$(VENV)/bin/stepmill proxy
+
+ui: $(PY)
+	$(VENV)/bin/stepmill ui
+
+test: $(PY)
+	$(PY) -m pytest -q
+
+bench: $(PY)
+	$(PY) -m bench.capture_bench
