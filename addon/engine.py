@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 from .protocols import openai_chat
 
-CLOSED_API_HOSTS = ("openai.com", "anthropic.com", "openai.azure.com", "googleapis.com")
+# Hosted APIs that are no engine of the user's: 'auto' never adds engine-only fields for them,
+# since strict OpenAI-compatible services reject unknown request fields.
+CLOSED_API_HOSTS = ("openai.com", "anthropic.com", "openai.azure.com", "googleapis.com", "openrouter.ai",
+                    "together.xyz", "groq.com", "deepseek.com", "mistral.ai", "fireworks.ai", "x.ai")
 ENGINE_APIS = (openai_chat.CHAT, openai_chat.COMPLETIONS)
 
 

@@ -17,7 +17,7 @@ TAG_PATH = re.compile(r"^/t/([^/]+)(?:/g/([^/]+))?(/.*)?$")
 TRAJECTORY_HEADER = "x-stepmill-trajectory"
 GROUP_HEADER = "x-stepmill-group"
 CHANNEL_HEADER = "x-stepmill-channel"
-SESSION_HEADERS = ("x-claude-code-session-id", "session_id", "session-id", "x-session-id")
+SESSION_HEADERS = ("x-claude-code-session-id", "session_id", "session-id", "x-session-id", "conversation_id")
 SECRET_HEADERS = re.compile(r"authorization|cookie|api[-_]?key|secret|token|password", re.I)
 # Per-request transport details: they identify no agent and would make every call's headers unique.
 TRANSPORT_HEADERS = {"content-length", "content-type", "content-encoding", "transfer-encoding", "connection",

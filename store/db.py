@@ -207,7 +207,8 @@ class Store:
         return self.trajectory(trajectory_id)
 
     # -- recording ------------------------------------------------------------------------
-    def _find_parent(self, conn, rec: StepRecord, trajectory_id: str | None) -> dict | None:
+    def _find_parent(self, conn, rec: StepRecord, trajectory_id: str | None, keys: list[str]) -> dict | None:
+        """The step this call continues; ``keys`` are the rolling keys of its messages."""
         if rec.parent_step_id:
             row = conn.execute("SELECT trajectory_id FROM steps WHERE id = ?", [rec.parent_step_id]).fetchone()
             if row is None:
@@ -220,7 +221,6 @@ class Store:
             ).fetchone()
             if row:
                 return {"id": row[0], "trajectory_id": row[1]}
-        keys = linking.rolling_keys(rec.messages)
         if not keys:
             return None
         position = {key: i for i, key in enumerate(keys)}
@@ -242,9 +242,12 @@ class Store:
         if rec.status not in STATUSES:
             raise StoreError(f"status must be one of {', '.join(STATUSES)}, not {rec.status!r}")
         step_id = new_id("s")
+        continuation = rec.messages + ([rec.completion] if rec.completion else [])
+        keys = linking.rolling_keys(continuation)  # keys[k] identifies continuation[:k+1]
+        message_keys = keys[: len(rec.messages)]
         with self.write() as conn:
             explicit = rec.trajectory_id or rec.session_id
-            parent = self._find_parent(conn, rec, explicit)
+            parent = self._find_parent(conn, rec, explicit, message_keys)
             if rec.trajectory_id:
                 trajectory_id, source = rec.trajectory_id, "explicit"
             elif rec.session_id:
@@ -269,7 +272,6 @@ class Store:
             parent_id = parent["id"] if parent else None
             messages_base_len, messages_suffix = split_against(rec.messages, self._continuation(parent_id, "messages"))
             wire_base_len, wire_suffix = split_against(rec.wire_messages, self._continuation(parent_id, "wire"))
-            continuation = rec.messages + ([rec.completion] if rec.completion else [])
             usage = rec.usage or {}
             row = {
                 "id": step_id,
@@ -307,8 +309,8 @@ class Store:
                 "policy_version": rec.policy_version,
                 "reward": rec.reward,
                 "headers_hash": self._put_blob(conn, rec.headers),
-                "link_key": (linking.rolling_keys(rec.messages) or [None])[-1],
-                "continuation_key": linking.rolling_keys(continuation)[-1] if rec.completion else None,
+                "link_key": message_keys[-1] if message_keys else None,
+                "continuation_key": keys[-1] if rec.completion else None,
                 "metadata": dumps(rec.metadata),
                 "raw_request": rec.raw_request,
                 "raw_response": rec.raw_response,
