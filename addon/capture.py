@@ -12,8 +12,9 @@ import json
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from mitmproxy import ctx, http
 from mitmproxy.proxy import mode_specs

@@ -371,13 +371,28 @@ class Store:
             raise KeyError(step_id)
         cols = self._token_columns(row[0], prompt_ids, response_ids, logprobs, provenance, spliced_len=spliced_len)
         cols.update({"tokenizer": tokenizer, "fidelity": fidelity, "fidelity_detail": fidelity_detail})
-        sql = f"UPDATE steps SET {', '.join(f'{c} = ?' for c in cols)} WHERE id = ?"
         if in_transaction:
-            self.db.conn.execute(sql, [*cols.values(), step_id])
+            self._update_tokens(step_id, cols)
         else:
-            with self.write() as conn:
-                conn.execute(sql, [*cols.values(), step_id])
+            with self.write():
+                self._update_tokens(step_id, cols)
+
+    def _update_tokens(self, step_id: str, cols: dict) -> None:
+        conn = self.db.conn
+        # Children store their prompt as a delta against this step's ids: rebase them on the new ids.
+        children = {
+            child: self.token_sequences(child) for (child,) in conn.execute(
+                "SELECT id FROM steps WHERE parent_step_id = ? AND prompt_base_len > 0", [step_id]).fetchall()
+        }
+        conn.execute(f"UPDATE steps SET {', '.join(f'{c} = ?' for c in cols)} WHERE id = ?", [*cols.values(), step_id])
         self._cache.pop(("tokens", step_id), None)
+        for child, (prompt, response, logprobs) in children.items():
+            provenance, spliced = conn.execute("SELECT token_provenance, spliced_len FROM steps WHERE id = ?",
+                                               [child]).fetchone()
+            rebased = self._token_columns(step_id, prompt, response, logprobs, provenance, spliced_len=spliced)
+            conn.execute(f"UPDATE steps SET {', '.join(f'{c} = ?' for c in rebased)} WHERE id = ?",
+                         [*rebased.values(), child])
+            self._cache.pop(("tokens", child), None)
 
     def token_sequences(self, step_id: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(prompt_ids, response_ids, logprobs) of one step, rebuilt from the shared prefixes."""

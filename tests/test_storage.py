@@ -80,3 +80,20 @@ def test_record_rejects_unknown_status(tmp_path):
 
     with pytest.raises(StoreError):
         Store(tmp_path / "s.db").record_step(StepRecord(api="openai.chat", status="weird"))
+
+
+def test_changing_a_parents_ids_keeps_its_childrens_ids(tmp_path):
+    """Children store prompt ids as a delta on the parent's; re-tokenizing the parent must not corrupt them."""
+    store = Store(tmp_path / "t.db")
+    user = [{"role": "user", "content": "q"}]
+    parent = store.record_step(StepRecord(api="openai.chat", messages=user, completion={"role": "assistant", "content": "a"},
+                                          prompt_ids=[1, 2], response_ids=[3], token_provenance="exact"))
+    child = store.record_step(StepRecord(api="openai.chat", messages=user + [{"role": "assistant", "content": "a"}],
+                                         prompt_ids=[1, 2, 3, 4], response_ids=[5], token_provenance="exact"))
+    assert store.step(child)["token_check"]["consistency"] == "consistent"
+    store.set_tokens(parent, [1, 7], [3], provenance="rendered")
+    cold = Store(tmp_path / "t.db")
+    assert cold.step(child)["prompt_ids"] == [1, 2, 3, 4]
+    assert cold.step(child)["token_check"]["consistency"] == "divergent"
+    assert cold.step(child)["token_check"]["divergence_pos"] == 1
+    assert cold.step(parent)["prompt_ids"] == [1, 7]

@@ -87,3 +87,25 @@ def test_non_llm_traffic_passes_untouched(proxy, marker):
         assert response.read() == b"plain page: " + marker.encode()
     server.shutdown()
     assert store.query("SELECT count(*) AS n FROM steps")[0]["n"] == before
+
+
+def test_capture_limited_to_configured_hosts(tmp_path, upstream, marker):
+    import ssl
+
+    import anthropic
+    import httpx2
+
+    from .conftest import start_proxy, stop_proxy
+
+    own = start_proxy(tmp_path, upstream, "--set", "stepmill_hosts=api.anthropic.com")
+    try:
+        http = httpx2.Client(proxy=own.url, verify=ssl.create_default_context(cafile=own.env["SSL_CERT_FILE"]))
+        openai.OpenAI(api_key="x", base_url="https://api.openai.com/v1", http_client=http, max_retries=0) \
+            .chat.completions.create(model="gpt-test", messages=[{"role": "user", "content": f"skip {marker}"}])
+        anthropic.Anthropic(api_key="x", base_url="https://api.anthropic.com", http_client=http, max_retries=0) \
+            .messages.create(model="claude-test", max_tokens=10, messages=[{"role": "user", "content": f"keep {marker}"}])
+        [step] = own.steps("1")
+        assert step["api"] == "anthropic.messages"
+        assert "mitmproxy CA: " + str(own.confdir / "mitmproxy-ca-cert.pem") in own.log.read_text()
+    finally:
+        stop_proxy(own)
