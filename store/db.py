@@ -396,35 +396,48 @@ class Store:
 
     def token_sequences(self, step_id: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(prompt_ids, response_ids, logprobs) of one step, rebuilt from the shared prefixes."""
-        rows = self._chain(step_id, "prompt_base_len", "prompt_suffix", "response_ids", "logprobs", "prompt_len")
+        full, rows = self._chain("tokens", step_id, "prompt_base_len", "prompt_suffix", "response_ids", "logprobs",
+                                 "prompt_len")
         target = rows[-1]
         if target["prompt_len"] is None:
             return np.zeros(0, np.int32), np.zeros(0, np.int32), None
-        full = None
+        full = full if full is not None else np.zeros(0, np.int32)
         for row in rows:
-            base = full if full is not None else np.zeros(0, np.int32)
-            prompt = np.concatenate([base[: row["prompt_base_len"] or 0], unpack_ids(row["prompt_suffix"])])
+            prompt = np.concatenate([full[: row["prompt_base_len"] or 0], unpack_ids(row["prompt_suffix"])])
             response = unpack_ids(row["response_ids"])
             full = np.concatenate([prompt, response])
+        self._cache.put(("tokens", step_id), full)
         return prompt, response, unpack_logprobs(target["logprobs"])
 
     # -- reading conversations --------------------------------------------------------------
-    def _chain(self, step_id: str, base_col: str, *cols: str) -> list[dict]:
-        """The step and the ancestors its ``base_col`` delta depends on, root first."""
-        wanted = ", ".join(f"s.{c}" for c in ("id", "parent_step_id", base_col, *cols))
-        sql = f"""
+    def _chain(self, kind: str, step_id: str, base_col: str, *cols: str) -> tuple[Any, list[dict]]:
+        """The rows a ``kind`` sequence of ``step_id`` is rebuilt from, root first.
+
+        The walk up the parent links stops where a delta shares nothing with its parent; the rebuild
+        starts from the nearest ancestor already in the cache (in capture order, usually the parent),
+        returned first, so reading a trajectory step by step costs one delta per step.
+        """
+        ids = [row[0] for row in self.db.conn.execute(f"""
             WITH RECURSIVE chain(id, depth) AS (
                 SELECT id, 0 FROM steps WHERE id = :id
                 UNION ALL
                 SELECT s.parent_step_id, chain.depth + 1 FROM steps s JOIN chain ON s.id = chain.id
                 WHERE s.parent_step_id IS NOT NULL AND coalesce(s.{base_col}, 0) > 0
             )
-            SELECT {wanted} FROM chain JOIN steps s ON s.id = chain.id ORDER BY chain.depth DESC
-        """
-        rows = self.query(sql, {"id": step_id})
-        if not rows:
+            SELECT id FROM chain ORDER BY depth DESC""", {"id": step_id})]
+        if not ids:
             raise KeyError(step_id)
-        return rows
+        start, value = 0, None
+        for i in range(len(ids) - 2, -1, -1):
+            cached = self._cache.get((kind, ids[i]))
+            if cached is not None:
+                start, value = i + 1, cached
+                break
+        needed = ids[start:]
+        wanted = ", ".join(("id", base_col, *cols))
+        rows = {row["id"]: row for row in self.query(
+            f"SELECT {wanted} FROM steps WHERE id IN ({','.join('?' * len(needed))})", needed)}
+        return value, [rows[i] for i in needed]
 
     def _continuation(self, step_id: str | None, kind: str):
         """What a child of ``step_id`` continues: conversation + completion, or prompt + response ids."""
@@ -441,8 +454,9 @@ class Store:
                 "messages": ("messages_base_len", "messages_suffix", "completion"),
                 "wire": ("wire_base_len", "wire_suffix", "wire_completion"),
             }[kind]
-            value = []
-            for row in self._chain(step_id, base_col, suffix_col, tail_col):
+            value, rows = self._chain(kind, step_id, base_col, suffix_col, tail_col)
+            value = value or []
+            for row in rows:
                 tail = loads(row[tail_col])
                 value = value[: row[base_col] or 0] + (loads(row[suffix_col]) or [])
                 if tail:
