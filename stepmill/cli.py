@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import tempfile
 
 import click
 
@@ -94,8 +95,9 @@ def ui(db, port, host, datasette_args):
     Store(db).close()  # create or migrate the file first, so Datasette sees the full schema
     from datasette.cli import cli as datasette_cli
 
-    args = serve_args(db, host=host, port=port) + list(datasette_args)
-    datasette_cli.main(args=args, prog_name="stepmill ui")
+    with tempfile.TemporaryDirectory(prefix="stepmill-ui-") as folder:
+        args = serve_args(db, folder, host=host, port=port) + list(datasette_args)
+        datasette_cli.main(args=args, prog_name="stepmill ui", standalone_mode=False)
 
 
 @main.command()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 STEP_COLUMNS = {
@@ -77,10 +76,10 @@ def config(db_name: str) -> dict:
     }
 
 
-def serve_args(db_path: str, *, host: str, port: int) -> list[str]:
-    """Arguments for ``datasette`` serving one stepmill database."""
+def serve_args(db_path: str, folder: str | Path, *, host: str, port: int) -> list[str]:
+    """Arguments for ``datasette`` serving one stepmill database; its configuration is written to ``folder``."""
     name = Path(db_path).stem
-    folder = Path(tempfile.mkdtemp(prefix="stepmill-ui-"))
+    folder = Path(folder)
     (folder / "metadata.json").write_text(json.dumps(metadata(name)))
     (folder / "datasette.json").write_text(json.dumps(config(name)))
     return ["serve", str(db_path), "--host", host, "--port", str(port),

@@ -66,3 +66,40 @@ def test_split_against_lists_and_arrays():
     assert split_against([1, 2, 3, 4], [1, 2, 9]) == (2, [3, 4])
     k, rest = split_against(np.array([1, 2, 3]), np.array([1, 2]))
     assert k == 2 and rest.tolist() == [3]
+
+
+def test_stream_tap_reads_compressed_streams_and_passes_bytes_on():
+    import gzip
+    import json
+
+    from stepmill.addon.protocols import openai_chat
+    from stepmill.addon.stream_tap import StreamTap
+
+    events = [{"id": "c1", "model": "m", "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
+              for piece in ("Hel", "lo")]
+    events.append({"id": "c1", "model": "m", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    raw = b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+    body = gzip.compress(raw)
+    tap = StreamTap(openai_chat.StreamAssembler(), content_encoding="gzip")
+    passed = b"".join(tap(body[i:i + 7]) for i in range(0, len(body), 7)) + tap(b"")
+    assert passed == body  # untouched on the way to the agent
+    completion = tap.finish()
+    assert completion.message["content"] == "Hello" and completion.status == "ok"
+
+
+def test_stream_tap_rewrites_whole_events_only():
+    import json
+
+    from stepmill.addon import engine
+    from stepmill.addon.protocols import openai_chat
+    from stepmill.addon.stream_tap import StreamTap
+
+    first = {"id": "c", "prompt_token_ids": [1, 2], "choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [3]}]}
+    last = {"id": "c", "choices": [{"index": 0, "delta": {}, "token_ids": [4], "finish_reason": "stop"}]}
+    raw = f"data: {json.dumps(first)}\n\ndata: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode()
+    added = engine.Added(token_ids=True)
+    tap = StreamTap(openai_chat.StreamAssembler(), rewrite=lambda p: engine.strip(p, added))
+    out = b"".join(tap(raw[i:i + 5]) for i in range(0, len(raw), 5)) + tap(b"")
+    assert b"token_ids" not in out and out.endswith(b"data: [DONE]\n\n")
+    completion = tap.finish()
+    assert completion.prompt_ids == [1, 2] and completion.response_ids == [3, 4]
