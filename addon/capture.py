@@ -379,7 +379,25 @@ class StepmillAddon:
             notes.append("the engine returned response ids without prompt ids")
         keep_raw = ctx.options.stepmill_keep_raw or status != "ok" or bool(notes)
         version = self.store.policy_version()
-        record = StepRecord(
+        choices = [completion] + completion.alternatives
+        for index, choice in enumerate(choices):
+            metadata = {"notes": notes} if notes and index == 0 else {}
+            if len(choices) > 1:
+                metadata["choice_index"] = index  # n > 1: each choice is its own rollout of this prompt
+            if index:
+                status, error = choice.status, choice.error
+            self.store.record_step(self._step_record(
+                capture, request, choice, messages, wire, transport=transport, status=status, error=error,
+                http_status=http_status, ttft_ms=ttft_ms, started=started, ended=ended, version=version,
+                metadata=metadata or None, raw_request=raw_request if keep_raw and not index else None,
+                raw_response=raw_response if keep_raw and not index else None))
+        capture.recorded = transport != "websocket"  # a WebSocket records one step per turn
+
+    def _step_record(self, capture: Capture, request: ParsedRequest | None, completion: Completion, messages: list,
+                     wire: list, *, transport: str, status: str, error: str | None, http_status: int | None,
+                     ttft_ms: float | None, started: float, ended: float, version: str | None,
+                     metadata: dict | None, raw_request: bytes | None, raw_response: bytes | None) -> StepRecord:
+        return StepRecord(
             api=capture.api,
             transport=transport,
             host=capture.host,
@@ -407,16 +425,14 @@ class StepmillAddon:
             session_id=capture.session_id or (request.session_id if request else None),
             previous_response_id=request.previous_response_id if request else None,
             policy_version=version,
-            metadata={"notes": notes} if notes else None,
-            raw_request=raw_request if keep_raw else None,
-            raw_response=raw_response if keep_raw else None,
+            metadata=metadata,
+            raw_request=raw_request,
+            raw_response=raw_response,
             prompt_ids=completion.prompt_ids,
             response_ids=completion.response_ids,
             logprobs=completion.logprobs,
             token_provenance="exact" if completion.response_ids is not None else None,
         )
-        self.store.record_step(record)
-        capture.recorded = transport != "websocket"  # a WebSocket records one step per turn
 
     def _record_failure(self, capture: Capture, message: str, flow: http.HTTPFlow):
         """Last resort: keep the raw exchange with an error, so nothing is lost."""

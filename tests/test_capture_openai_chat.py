@@ -2,6 +2,8 @@
 
 import json
 
+import openai
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -109,3 +111,30 @@ def test_secrets_are_never_written(proxy, openai_client, marker):
     headers = json.loads(store.query("SELECT b.body FROM steps s JOIN blobs b ON b.hash = s.headers_hash"
                                      " WHERE s.messages_suffix LIKE ?", [f"%{marker}%"])[0]["body"])
     assert "authorization" not in headers and "user-agent" in headers
+
+
+def test_n_choices_are_separate_rollouts_of_one_group(proxy, marker):
+    """GRPO through `n`: each choice is its own rollout, in the prompt's group, with its own exact ids."""
+    engine = openai.OpenAI(api_key="sk-x", base_url="https://engine.local/v1", max_retries=0)
+    reply = engine.chat.completions.create(model="qwen-engine", n=3, messages=[{"role": "user", "content": f"n {marker}"}])
+    assert len(reply.choices) == 3
+    steps = proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"], count=3)
+    by_choice = {s["completion"]["content"]: s for s in steps}
+    assert set(by_choice) == {c.message.content for c in reply.choices}
+    assert len({s["trajectory_id"] for s in steps}) == 3 and len({s["group_id"] for s in steps}) == 1
+    assert len({tuple(s["prompt_ids"]) for s in steps}) == 1
+    assert all(s["response_ids"][:-1] == list(s["completion"]["content"].encode()) for s in steps)
+
+
+def test_streamed_choices_are_assembled_per_index():
+    from stepmill.addon.protocols import openai_chat
+
+    assembler = openai_chat.StreamAssembler()
+    for index, text in ((0, "a"), (1, "b"), (0, "c"), (1, "d")):
+        assembler.feed(None, json.dumps({"id": "x", "choices": [{"index": index, "delta": {"content": text}}]}))
+    for index in (0, 1):
+        assembler.feed(None, json.dumps({"id": "x", "choices": [{"index": index, "delta": {}, "finish_reason": "stop"}]}))
+    assembler.feed(None, "[DONE]")
+    completion = assembler.finish()
+    assert completion.message["content"] == "ac"
+    assert [c.message["content"] for c in completion.alternatives] == ["bd"]

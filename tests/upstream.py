@@ -216,6 +216,11 @@ class Upstream:
             if engine:
                 payload["prompt_token_ids"] = prompt_ids
                 choice["token_ids"] = response_ids
+            for index in range(1, body.get("n") or 1):  # more samples of the same prompt
+                other = f"{text} (sample {index})"
+                payload["choices"].append({"index": index, "message": {"role": "assistant", "content": other},
+                                           "finish_reason": "stop", "logprobs": None,
+                                           **({"token_ids": encode_text(other) + [END]} if engine else {})})
             return web.json_response(payload)
         chunks = []
         base = {"id": rid, "object": "chat.completion.chunk", "created": 1, "model": model}

@@ -39,6 +39,8 @@ class Completion:
     response_ids: list[int] | None = None
     logprobs: list[float] | None = None
     notes: list[str] = field(default_factory=list)  # what did not parse cleanly
+    # Choices 1..n-1 of a request with n > 1: more rollouts of the same prompt, one step each.
+    alternatives: list["Completion"] = field(default_factory=list)
 
 
 def load_json_object(body: bytes | str, what: str) -> dict:

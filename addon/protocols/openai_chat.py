@@ -87,13 +87,7 @@ def _logprob_values(logprobs: Any) -> tuple[list[float] | None, list[int] | None
     return values, ids
 
 
-def parse_response(body: dict, api: str = CHAT) -> Completion:
-    if "error" in body and not body.get("choices"):
-        return Completion(status="error", error=json.dumps(body["error"]), response_id=body.get("id"))
-    choices = body.get("choices")
-    if not isinstance(choices, list) or not choices:
-        raise ProtocolError("response has no 'choices'")
-    choice = choices[0]
+def _choice_completion(body: dict, choice: dict, api: str) -> Completion:
     if api == COMPLETIONS:
         message = {"role": "assistant", "content": choice.get("text") or ""}
         wire = [{"text": choice.get("text") or ""}]
@@ -102,12 +96,6 @@ def parse_response(body: dict, api: str = CHAT) -> Completion:
         message = canonical_message({**wire_message, "role": "assistant"})
         wire = [wire_message]
     logprobs, ids_from_logprobs = _logprob_values(choice.get("logprobs"))
-    prompt_ids = body.get("prompt_token_ids") or choice.get("prompt_token_ids")
-    response_ids = choice.get("token_ids") or ids_from_logprobs
-    notes = []
-    if len(choices) > 1:
-        notes.append(f"{len(choices)} choices returned; the step records choice 0, the rest are in wire_completion")
-        wire = wire + [c.get("message") or {"text": c.get("text")} for c in choices[1:]]
     return Completion(
         message=message,
         wire=wire,
@@ -115,11 +103,22 @@ def parse_response(body: dict, api: str = CHAT) -> Completion:
         usage=_usage(body.get("usage")),
         response_id=body.get("id"),
         model=body.get("model"),
-        prompt_ids=prompt_ids,
-        response_ids=response_ids,
+        prompt_ids=body.get("prompt_token_ids") or choice.get("prompt_token_ids"),
+        response_ids=choice.get("token_ids") or ids_from_logprobs,
         logprobs=logprobs,
-        notes=notes,
     )
+
+
+def parse_response(body: dict, api: str = CHAT) -> Completion:
+    if "error" in body and not body.get("choices"):
+        return Completion(status="error", error=json.dumps(body["error"]), response_id=body.get("id"))
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, dict) for c in choices):
+        raise ProtocolError("response has no 'choices'")
+    choices = sorted(choices, key=lambda c: c.get("index", 0))
+    completion = _choice_completion(body, choices[0], api)
+    completion.alternatives = [_choice_completion(body, c, api) for c in choices[1:]]
+    return completion
 
 
 class StreamAssembler:
@@ -196,7 +195,13 @@ class StreamAssembler:
                 state["finish_reason"] = choice["finish_reason"]
 
     def finish(self) -> Completion:
-        state = self.choices.get(0) or self._choice(0)
+        completions = [self._completion(self.choices[i]) for i in sorted(self.choices)] or [self._completion(self._choice(0))]
+        first = completions[0]
+        first.notes = list(self.notes)
+        first.alternatives = completions[1:]
+        return first
+
+    def _completion(self, state: dict) -> Completion:
         builder = AssistantBuilder()
         builder.text = state["text"]
         builder.reasoning = state["reasoning"]
@@ -216,10 +221,6 @@ class StreamAssembler:
             status = "error"
         elif not (self.done or state["finish_reason"]):
             status, error = "incomplete", "stream ended before the final chunk"
-        response_ids = state["ids"] if state["has_ids"] else state.get("ids_from_logprobs")
-        notes = list(self.notes)
-        if len(self.choices) > 1:
-            notes.append(f"{len(self.choices)} choices streamed; the step records choice 0")
         return Completion(
             message=message,
             wire=wire,
@@ -230,7 +231,6 @@ class StreamAssembler:
             status=status,
             error=error,
             prompt_ids=self.prompt_ids,
-            response_ids=response_ids,
+            response_ids=state["ids"] if state["has_ids"] else state.get("ids_from_logprobs"),
             logprobs=state["logprobs"] if state["has_logprobs"] else None,
-            notes=notes,
         )
