@@ -80,3 +80,13 @@ def test_websocket_chain_with_warmup(proxy, openai_client, marker):
     assert two["messages"][3] == {"role": "tool", "tool_call_id": call.call_id, "content": "patched"}
     assert two["completion"]["content"] == "The tool said: patched"
     assert one["ttft_ms"] is not None and one["status"] == "ok"
+
+
+def test_codex_session_header_names_the_trajectory(proxy, openai_client, marker):
+    with openai_client.responses.connect(extra_headers={"session_id": f"codex-{marker}"}) as connection:
+        connection.response.create(model="gpt-5-codex-test", input=f"hello {marker}")
+        for event in connection:
+            if event.type == "response.completed":
+                break
+    [step] = proxy.trajectory_steps(f"codex-{marker}", 1)
+    assert step["transport"] == "websocket" and step["completion"]["content"] == f"Echo: hello {marker}"
