@@ -89,6 +89,7 @@ class Store:
         conn.execute("PRAGMA foreign_keys = ON")
         self.schema_version = migrate(self.db)
         self._cache = _LRU(cache_size)
+        self._data_version = conn.execute("PRAGMA data_version").fetchone()[0]
 
     def close(self) -> None:
         self.db.conn.close()
@@ -394,8 +395,18 @@ class Store:
                          [*rebased.values(), child])
             self._cache.pop(("tokens", child), None)
 
+    def _forget_changed_tokens(self) -> None:
+        """Token ids can be re-set (`stepmill tokenize --redo`) by another process: when the file changed
+        under us, cached token sequences may be stale. Conversations never change once written."""
+        version = self.db.conn.execute("PRAGMA data_version").fetchone()[0]
+        if version != self._data_version:
+            self._data_version = version
+            for key in [k for k in self._cache if k[0] == "tokens"]:
+                del self._cache[key]
+
     def token_sequences(self, step_id: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(prompt_ids, response_ids, logprobs) of one step, rebuilt from the shared prefixes."""
+        self._forget_changed_tokens()
         full, rows = self._chain("tokens", step_id, "prompt_base_len", "prompt_suffix", "response_ids", "logprobs",
                                  "prompt_len")
         target = rows[-1]
@@ -443,6 +454,8 @@ class Store:
         """What a child of ``step_id`` continues: conversation + completion, or prompt + response ids."""
         if step_id is None:
             return None
+        if kind == "tokens":
+            self._forget_changed_tokens()
         key = (kind, step_id)
         if key in self._cache:
             return self._cache[key]

@@ -97,3 +97,18 @@ def test_changing_a_parents_ids_keeps_its_childrens_ids(tmp_path):
     assert cold.step(child)["token_check"]["consistency"] == "divergent"
     assert cold.step(child)["token_check"]["divergence_pos"] == 1
     assert cold.step(parent)["prompt_ids"] == [1, 7]
+
+
+def test_token_ids_changed_by_another_process_are_not_read_stale(tmp_path):
+    """The proxy caches parents' ids; a re-render by another process must not leave it a stale copy."""
+    proxy_side, tokenize_side = Store(tmp_path / "t.db"), Store(tmp_path / "t.db")
+    user = [{"role": "user", "content": "q"}]
+    parent = proxy_side.record_step(StepRecord(api="openai.chat", messages=user,
+                                               completion={"role": "assistant", "content": "a"},
+                                               prompt_ids=[1, 2], response_ids=[3], token_provenance="rendered"))
+    assert proxy_side.token_sequences(parent)[0].tolist() == [1, 2]  # now cached on the proxy side
+    tokenize_side.set_tokens(parent, [1, 9], [3], provenance="rendered")
+    child = proxy_side.record_step(StepRecord(api="openai.chat", messages=user + [{"role": "assistant", "content": "a"}],
+                                              prompt_ids=[1, 9, 3, 4], response_ids=[5], token_provenance="exact"))
+    record = Store(tmp_path / "t.db").step(child)
+    assert record["prompt_ids"] == [1, 9, 3, 4] and record["token_check"]["consistency"] == "consistent"
