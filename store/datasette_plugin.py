@@ -49,23 +49,36 @@ async def _call(datasette, request, fn, *args):
     return db.name, await asyncio.to_thread(run)
 
 
-def _load_step(store: Store, step_id: str):
+def _load_step(store: Store, step_id: str) -> dict:
     record = store.step(step_id)
-    row = store.query("SELECT messages_base_len, parent_step_id FROM steps WHERE id = ?", [step_id])[0]
-    return record, row
+    shared = store.query("SELECT messages_base_len FROM steps WHERE id = ?", [step_id])[0]["messages_base_len"]
+    return {"step": record, "shared": shared or 0}
 
 
-def _load_trajectory(store: Store, trajectory_id: str):
+def _load_trajectory(store: Store, trajectory_id: str) -> dict:
     trajectory = store.trajectory(trajectory_id)
     if trajectory is None:
         raise KeyError(trajectory_id)
+    shared = {row["id"]: row["messages_base_len"] or 0 for row in store.query(
+        "SELECT id, messages_base_len FROM steps WHERE trajectory_id = ?", [trajectory_id])}
     steps = []
     for record in store.iter_steps("s.trajectory_id = ?", [trajectory_id], with_tokens=False):
-        base = store.query("SELECT messages_base_len FROM steps WHERE id = ?", [record["step_id"]])[0]
-        record["new_messages"] = record["messages"][base["messages_base_len"] or 0:]
+        record["new_messages"] = record["messages"][shared[record["step_id"]]:]
         steps.append(record)
     steps.sort(key=lambda r: (r["step_index"] is None, r["step_index"]))
-    return trajectory, steps
+    return {"trajectory": trajectory, "steps": steps}
+
+
+async def _view(datasette, request, what: str, load, key: str, template: str, as_data):
+    """One readable page: HTML from ``template``, or JSON (``as_data`` of the loaded context) with .json."""
+    as_json = bool(request.url_vars.get("ext"))
+    try:
+        db_name, context = await _call(datasette, request, load, request.url_vars[key])
+    except KeyError:
+        return _not_found(f"{what} {request.url_vars[key]}", as_json)
+    if as_json:
+        return Response.json(as_data(context), default=str)
+    return Response.html(await datasette.render_template(template, {**context, "db_name": db_name}, request=request))
 
 
 def _not_found(what: str, as_json: bool):
@@ -75,33 +88,13 @@ def _not_found(what: str, as_json: bool):
 
 
 async def step_view(datasette, request):
-    step_id = request.url_vars["step_id"]
-    as_json = bool(request.url_vars.get("ext"))
-    try:
-        db_name, (record, row) = await _call(datasette, request, _load_step, step_id)
-    except KeyError:
-        return _not_found(f"step {step_id}", as_json)
-    if as_json:
-        return Response.json(record, default=str)
-    return Response.html(await datasette.render_template(
-        "stepmill_step.html",
-        {"step": record, "db_name": db_name, "shared": row["messages_base_len"] or 0},
-        request=request,
-    ))
+    return await _view(datasette, request, "step", _load_step, "step_id", "stepmill_step.html",
+                       lambda context: context["step"])
 
 
 async def trajectory_view(datasette, request):
-    trajectory_id = request.url_vars["trajectory_id"]
-    as_json = bool(request.url_vars.get("ext"))
-    try:
-        db_name, (trajectory, steps) = await _call(datasette, request, _load_trajectory, trajectory_id)
-    except KeyError:
-        return _not_found(f"trajectory {trajectory_id}", as_json)
-    if as_json:
-        return Response.json({"trajectory": trajectory, "steps": steps}, default=str)
-    return Response.html(await datasette.render_template(
-        "stepmill_trajectory.html", {"trajectory": trajectory, "steps": steps, "db_name": db_name}, request=request,
-    ))
+    return await _view(datasette, request, "trajectory", _load_trajectory, "trajectory_id",
+                       "stepmill_trajectory.html", lambda context: context)
 
 
 @hookimpl

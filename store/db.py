@@ -378,6 +378,10 @@ class Store:
             with self.write():
                 self._update_tokens(step_id, cols)
 
+    def _update_columns(self, step_id: str, cols: dict) -> None:
+        self.db.conn.execute(f"UPDATE steps SET {', '.join(f'{c} = ?' for c in cols)} WHERE id = ?",
+                             [*cols.values(), step_id])
+
     def _update_tokens(self, step_id: str, cols: dict) -> None:
         conn = self.db.conn
         # Children store their prompt as a delta against this step's ids: rebase them on the new ids.
@@ -385,14 +389,13 @@ class Store:
             child: self.token_sequences(child) for (child,) in conn.execute(
                 "SELECT id FROM steps WHERE parent_step_id = ? AND prompt_base_len > 0", [step_id]).fetchall()
         }
-        conn.execute(f"UPDATE steps SET {', '.join(f'{c} = ?' for c in cols)} WHERE id = ?", [*cols.values(), step_id])
+        self._update_columns(step_id, cols)
         self._cache.pop(("tokens", step_id), None)
         for child, (prompt, response, logprobs) in children.items():
             provenance, spliced = conn.execute("SELECT token_provenance, spliced_len FROM steps WHERE id = ?",
                                                [child]).fetchone()
             rebased = self._token_columns(step_id, prompt, response, logprobs, provenance, spliced_len=spliced)
-            conn.execute(f"UPDATE steps SET {', '.join(f'{c} = ?' for c in rebased)} WHERE id = ?",
-                         [*rebased.values(), child])
+            self._update_columns(child, rebased)
             self._cache.pop(("tokens", child), None)
 
     def _forget_changed_tokens(self) -> None:
