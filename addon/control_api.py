@@ -2,21 +2,28 @@
 
 JSON in, JSON out. Every bad request gets a 4xx with a message; nothing is half-written
 because each call is one store transaction.
+
+Agents reach the proxy, so reaching it proves nothing: every endpoint but ``/v1/health`` asks
+for the write token (``Authorization: Bearer <token>``), which agents are never given.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
+import math
 import re
 from dataclasses import dataclass
 from numbers import Real
 from typing import Any, Callable
+from urllib.parse import unquote
 
 from stepmill import __version__
 from stepmill.store.db import Store, StoreError, now_iso
 from stepmill.store.records import StepRecord
 
-PREFIX = "/_stepmill"  # the control API's path when reached on the proxy port itself
+PUBLIC = {("GET", "/v1/health")}  # what anonymous callers may do
+MAX_INT = 2**63 - 1
 
 
 class ApiError(Exception):
@@ -34,13 +41,19 @@ class Endpoints:
     reverse: str | None = None  # http://host:port of a reverse-mode listener
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
 def _object(body: bytes) -> dict:
     if not body:
         return {}
     try:
-        value = json.loads(body)
+        value = json.loads(body, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "body is nested too deeply") from None
     if not isinstance(value, dict):
         raise ApiError(400, "body must be a JSON object")
     return value
@@ -65,14 +78,40 @@ def _is_ids(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool)
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and abs(value) < 1e300
 
 
-STRING = (lambda v: isinstance(v, str) and 0 < len(v) <= 200, "a non-empty string")
+def _is_text(value) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates
+        return False
+    return True
+
+
+def _is_clean(value) -> bool:
+    """JSON values SQLite and UTF-8 can hold: text without lone surrogates, integers within 64 bits."""
+    if isinstance(value, str):
+        return _is_text(value)
+    if isinstance(value, bool) or value is None:
+        return True
+    if isinstance(value, int):
+        return -MAX_INT - 1 <= value <= MAX_INT
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_is_clean(v) for v in value)
+    if isinstance(value, dict):
+        return all(_is_text(k) and _is_clean(v) for k, v in value.items())
+    return False
+
+
+STRING = (lambda v: isinstance(v, str) and 0 < len(v) <= 200 and _is_text(v), "a non-empty string")
 NUMBER = (_is_number, "a number")
-OBJECT = (lambda v: isinstance(v, dict), "an object")
+OBJECT = (lambda v: isinstance(v, dict) and _is_clean(v), "an object (text without lone surrogates)")
 IDS = (_is_ids, "a list of token ids (non-negative integers)")
-VERSION = (lambda v: isinstance(v, (str, int)) and not isinstance(v, bool), "a string or an integer")
+VERSION = (lambda v: (isinstance(v, str) and 0 < len(v) <= 200 and _is_text(v))
+           or (isinstance(v, int) and not isinstance(v, bool) and abs(v) <= MAX_INT), "a string or an integer")
 
 STEP_FIELDS = {
     "prompt_ids": IDS,
@@ -82,11 +121,13 @@ STEP_FIELDS = {
     "trajectory_id": STRING,
     "group_id": STRING,
     "parent_step_id": STRING,
-    "step_index": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a non-negative integer"),
+    "step_index": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT,
+                   "a non-negative integer below 2^63"),
     "policy_version": VERSION,
     "is_last": (lambda v: isinstance(v, bool), "true or false"),
     "metadata": OBJECT,
-    "messages": (lambda v: isinstance(v, list) and all(isinstance(m, dict) for m in v), "a list of message objects"),
+    "messages": (lambda v: isinstance(v, list) and all(isinstance(m, dict) for m in v) and _is_clean(v),
+                 "a list of message objects"),
     "completion": OBJECT,
     "model": STRING,
     "channel": STRING,
@@ -96,9 +137,12 @@ TRAJECTORY_FIELDS = {"trajectory_id": STRING, "group_id": STRING, "channel": STR
 
 
 class ControlAPI:
-    def __init__(self, store: Store, endpoints: Callable[[], Endpoints] = Endpoints):
+    def __init__(self, store: Store, endpoints: Callable[[], Endpoints] = Endpoints, *, token: str):
+        if not token:
+            raise ValueError("the control API needs a write token")
         self.store = store
         self.endpoints = endpoints
+        self.token = token
         self.routes = [
             ("GET", r"/v1/health", self.health),
             ("GET", r"/v1/stats", self.stats),
@@ -113,10 +157,21 @@ class ControlAPI:
             ("GET", r"/v1/steps/(?P<sid>[^/]+)", self.get_step),
         ]
 
-    def handle(self, method: str, path: str, body: bytes) -> tuple[int, dict]:
+    def authorized(self, authorization: str | None) -> bool:
+        scheme, _, value = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token.encode())
+
+    def handle(self, method: str, path: str, body: bytes, *, authorization: str | None = None) -> tuple[int, dict]:
+        try:
+            return self._handle(method, path, body, authorization)
+        except Exception as exc:  # a bug answers JSON, never the proxy's 502 page
+            return 500, {"error": f"the control API failed: {type(exc).__name__}: {exc}"}
+
+    def _handle(self, method: str, path: str, body: bytes, authorization: str | None) -> tuple[int, dict]:
         path = path.split("?", 1)[0].rstrip("/") or "/"
-        if path.startswith(PREFIX):
-            path = path[len(PREFIX):] or "/"
+        if (method, path) not in PUBLIC and not self.authorized(authorization):
+            return 401, {"error": "the control API needs the write token: Authorization: Bearer <token> "
+                                  "(STEPMILL_TOKEN, or the stepmill-token file in the proxy's confdir)"}
         allowed = []
         for verb, pattern, handler in self.routes:
             found = re.fullmatch(pattern, path)
@@ -126,7 +181,10 @@ class ControlAPI:
                 allowed.append(verb)
                 continue
             try:
-                return handler(body=body, **found.groupdict())
+                params = {k: unquote(v, errors="strict") for k, v in found.groupdict().items()}
+                return handler(body=body, **params)
+            except UnicodeDecodeError:
+                return 400, {"error": "ids in the path must be percent-encoded UTF-8"}
             except ApiError as exc:
                 return exc.status, {"error": exc.message}
             except KeyError as exc:

@@ -7,9 +7,15 @@ nothing changed; what the agent asked for itself stays.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import ssl
 from dataclasses import dataclass
 
 from .protocols import openai_chat
+
+log = logging.getLogger("stepmill")
 
 # Hosted APIs that are no engine of the user's: 'auto' never adds engine-only fields for them,
 # since strict OpenAI-compatible services reject unknown request fields.
@@ -27,8 +33,11 @@ class Added:
         return self.token_ids or self.logprobs
 
 
-def is_engine(host: str, port: int | None, api: str, setting: str) -> bool:
-    """``setting`` is 'auto' (any host but the closed APIs), 'none', or a comma list of host[:port]."""
+def configured(host: str, port: int | None, api: str, setting: str) -> bool | None:
+    """What the setting alone says: True / False, or None when 'auto' must ask the host.
+
+    ``setting`` is 'auto' (engines found by a probe), 'none', or a comma list of host[:port] (forced).
+    """
     if api not in ENGINE_APIS:
         return False
     setting = (setting or "").strip()
@@ -36,9 +45,112 @@ def is_engine(host: str, port: int | None, api: str, setting: str) -> bool:
         return False
     host = (host or "").lower()
     if setting == "auto":
-        return not any(host == h or host.endswith("." + h) for h in CLOSED_API_HOSTS)
+        if any(host == h or host.endswith("." + h) for h in CLOSED_API_HOSTS):
+            return False
+        return None
     wanted = {h.strip().lower() for h in setting.split(",") if h.strip()}
     return host in wanted or f"{host}:{port}" in wanted
+
+
+ENGINE_OWNERS = ("vllm", "sglang")
+PROBE_TIMEOUT = 3.0
+
+
+def models_say_engine(status: int, body: bytes) -> bool:
+    """vLLM and SGLang list their models with ``owned_by: "vllm"`` / ``"sglang"``."""
+    if status != 200:
+        return False
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return False
+    data = payload.get("data") if isinstance(payload, dict) else None
+    return isinstance(data, list) and any(
+        isinstance(m, dict) and str(m.get("owned_by", "")).lower() in ENGINE_OWNERS for m in data)
+
+
+class EngineProbe:
+    """Asks each upstream once, off the request path, whether it is a vLLM or SGLang server.
+
+    'auto' must never add a field to a request for a server that would reject it (an OpenAI-
+    compatible gateway, an unlisted provider), so only a positive answer makes a host an engine.
+    Concurrent first calls to a host share one probe; the answer is cached per host and base path.
+    """
+
+    def __init__(self):
+        self.answers: dict[tuple, bool] = {}
+        self.pending: dict[tuple, asyncio.Future] = {}
+
+    def known(self, key: tuple) -> bool | None:
+        return self.answers.get(key)
+
+    async def ask(self, key: tuple, scheme: str, address: tuple[str, int], host_header: str, models_path: str,
+                  auth: dict, ssl_context: ssl.SSLContext | None) -> bool:
+        if key in self.answers:
+            return self.answers[key]
+        if key not in self.pending:
+            self.pending[key] = asyncio.ensure_future(
+                self._probe(scheme, address, host_header, models_path, auth, ssl_context))
+        try:
+            answer = await asyncio.shield(self.pending[key])
+        finally:
+            self.pending.pop(key, None)
+        self.answers[key] = answer
+        return answer
+
+    async def _probe(self, scheme, address, host_header, models_path, auth, ssl_context) -> bool:
+        try:
+            status, body = await asyncio.wait_for(
+                http_get(address, host_header, models_path, auth, ssl_context if scheme == "https" else None),
+                PROBE_TIMEOUT)
+        except Exception as exc:  # unreachable, refused, TLS: not an engine we can vouch for
+            log.info(f"stepmill: engine probe of {host_header}{models_path} failed ({exc!r}); not an engine")
+            return False
+        answer = models_say_engine(status, body)
+        log.info(f"stepmill: {host_header} is {'an engine (vLLM/SGLang)' if answer else 'no engine'}: "
+                 f"token ids {'will' if answer else 'will not'} be asked for")
+        return answer
+
+
+async def http_get(address: tuple[str, int], host_header: str, path: str, headers: dict,
+                   ssl_context: ssl.SSLContext | None, limit: int = 1 << 20) -> tuple[int, bytes]:
+    """A minimal HTTP/1.1 GET (the probe must not depend on an HTTP client the proxy does not ship)."""
+    reader, writer = await asyncio.open_connection(
+        address[0], address[1], ssl=ssl_context, server_hostname=address[0] if ssl_context else None)
+    try:
+        lines = [f"GET {path} HTTP/1.1", f"Host: {host_header}", "Accept: application/json",
+                 "Connection: close", "User-Agent: stepmill-engine-probe"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace"))
+        await writer.drain()
+        data = await reader.read(limit)
+        while len(data) < limit:
+            more = await reader.read(limit - len(data))
+            if not more:
+                break
+            data += more
+    finally:
+        writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    if b"transfer-encoding: chunked" in head.lower():
+        body = _dechunk(body)
+    return status, body
+
+
+def _dechunk(body: bytes) -> bytes:
+    out, rest = [], body
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        try:
+            size = int(size_line.split(b";")[0], 16)
+        except ValueError:
+            break
+        if size == 0:
+            break
+        out.append(rest[:size])
+        rest = rest[size + 2:]
+    return b"".join(out)
 
 
 def inject(body: dict, api: str) -> Added:
@@ -75,3 +187,7 @@ def strip(payload: dict, added: Added) -> bool:
             choice["logprobs"] = None
             changed = True
     return changed
+
+
+# Stream events that can carry what ``inject`` added: only these are parsed and rewritten.
+MARKERS = ("token_ids", "logprobs")

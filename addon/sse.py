@@ -38,27 +38,45 @@ def parse_block(block: bytes) -> tuple[str | None, str | None]:
 
 class SSEDecoder:
     def __init__(self):
-        self.buffer = b""
+        self.buffer = bytearray()
+        self._scanned = 0  # bytes of the buffer already searched for a boundary
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes of an event not finished yet."""
+        return bytes(self.buffer)
 
     def push(self, chunk: bytes) -> list[Event]:
-        """Feed bytes; return the events completed by them."""
+        """Feed bytes; return the events completed by them.
+
+        Each byte is searched once (a boundary is at most 4 bytes, so the search restarts 3 bytes
+        back): one large event arriving in many small chunks costs linear time, not quadratic.
+        """
         self.buffer += chunk
         events = []
+        start = 0
+        pos = max(0, self._scanned - 3)
         while True:
-            found = _BOUNDARY.search(self.buffer)
+            found = _BOUNDARY.search(self.buffer, pos)
             if not found:
                 break
-            raw, self.buffer = self.buffer[: found.end()], self.buffer[found.end():]
-            event, data = parse_block(raw[: found.start()])
+            raw = bytes(self.buffer[start: found.end()])
+            event, data = parse_block(raw[: found.start() - start])
             if data is not None:
                 events.append(Event(event, data, raw))
             elif raw.strip():
                 events.append(Event(event, "", raw))  # comments and keep-alives: passed on, not parsed
+            start = pos = found.end()
+        if start:
+            del self.buffer[:start]
+        self._scanned = len(self.buffer)
         return events
 
     def flush(self) -> list[Event]:
         """At the end of the stream: a last event without its blank line still counts."""
-        rest, self.buffer = self.buffer, b""
+        rest = bytes(self.buffer)
+        self.buffer.clear()
+        self._scanned = 0
         if not rest.strip():
             return [Event(None, "", rest)] if rest else []
         event, data = parse_block(rest)

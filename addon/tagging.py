@@ -18,11 +18,6 @@ TRAJECTORY_HEADER = "x-stepmill-trajectory"
 GROUP_HEADER = "x-stepmill-group"
 CHANNEL_HEADER = "x-stepmill-channel"
 SESSION_HEADERS = ("x-claude-code-session-id", "session_id", "session-id", "x-session-id", "conversation_id")
-SECRET_HEADERS = re.compile(r"authorization|cookie|api[-_]?key|secret|token|password", re.I)
-# Per-request transport details: they identify no agent and would make every call's headers unique.
-TRANSPORT_HEADERS = {"content-length", "content-type", "content-encoding", "transfer-encoding", "connection",
-                     "keep-alive", "proxy-connection", "accept", "accept-encoding", "te", "host",
-                     "x-stainless-retry-count", "x-stainless-read-timeout", "idempotency-key", "x-request-id"}
 
 
 @dataclass
@@ -74,9 +69,3 @@ def session_id(headers) -> str | None:
         if headers.get(name):
             return headers[name]
     return None
-
-
-def identifying_headers(headers) -> dict:
-    """Request headers worth keeping to tell agents apart; anything secret is left out."""
-    return {k.lower(): v for k, v in headers.items()
-            if not SECRET_HEADERS.search(k) and k.lower() not in TRANSPORT_HEADERS}

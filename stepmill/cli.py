@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -14,7 +15,32 @@ from . import __version__
 DB_OPTION = click.option("--db", default="stepmill.db", show_default=True, envvar="STEPMILL_DB",
                          type=click.Path(dir_okay=False), help="SQLite file holding the steps.")
 CONFDIR_OPTION = click.option("--confdir", default="~/.mitmproxy", show_default=True,
-                              help="mitmproxy's directory (its CA lives there).")
+                              help="mitmproxy's directory (its CA and stepmill's write token live there).")
+WHERE_OPTION = click.option("--where", help="SQL condition on the steps table (alias s), e.g. \"s.status = 'ok'\".")
+PARAM_OPTION = click.option("-p", "--param", "params", multiple=True, type=(str, str),
+                            help="A named parameter for --where: -p model qwen with --where \"s.model = :model\".")
+# Options `stepmill proxy` sets itself: given again with --set, the user's value is taken.
+OWN_OPTIONS = {"confdir": "confdir", "stepmill_db": "db", "listen_host": "host", "listen_port": "port"}
+
+
+def take_own_options(extra: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Pull ``--set name=value`` for the options `stepmill proxy` sets itself out of mitmdump's arguments."""
+    rest, taken, i = [], {}, 0
+    while i < len(extra):
+        arg = extra[i]
+        value = None
+        if arg == "--set" and i + 1 < len(extra):
+            value, step = extra[i + 1], 2
+        elif arg.startswith("--set="):
+            value, step = arg[len("--set="):], 1
+        if value is not None and value.partition("=")[0] in OWN_OPTIONS and "=" in value:
+            name, _, setting = value.partition("=")
+            taken[OWN_OPTIONS[name]] = setting
+            i += step
+            continue
+        rest.append(arg)
+        i += 1
+    return rest, taken
 
 
 @click.group()
@@ -37,27 +63,41 @@ def proxy(port, host, control_port, db, confdir, mitmproxy_args):
 
     Extra arguments go to mitmdump as they are: more `-s` scripts, `--set name=value`,
     `--mode reverse:https://api.openai.com` for agents that only take a base URL,
-    `--mode upstream:http://corp-proxy:3128`.
+    `--mode upstream:http://corp-proxy:3128`. `--set confdir=…`, `--set stepmill_db=…`,
+    `--set listen_host=…` and `--set listen_port=…` are the same as `--confdir`, `--db`, `--host`, `--port`.
     """
     from mitmproxy.tools.main import mitmdump
 
     from .addon import SCRIPT
     from .proxy_env import ensure_bundle, ensure_ca
+    from .token import ENV, ensure_token, token_path
 
+    extra, own = take_own_options(list(mitmproxy_args))
+    db, confdir, host = own.get("db", db), own.get("confdir", confdir), own.get("host", host)
+    try:
+        port = int(own.get("port", port))
+    except ValueError:
+        raise click.BadParameter(f"listen_port must be a number, not {own['port']!r}") from None
     ca = ensure_ca(confdir)
     bundle = ensure_bundle(confdir)
-    args = ["-s", SCRIPT, "--set", f"stepmill_db={db}", "--set", f"confdir={confdir}",
+    ensure_token(confdir)
+    args = ["--set", f"stepmill_db={db}", "--set", f"confdir={confdir}",
             "--listen-host", host, "--listen-port", str(port)]
-    extra = list(mitmproxy_args)
     if not any(a == "--mode" or a.startswith("--mode=") or a == "-m" for a in extra):
         args += ["--mode", f"regular@{port}"]
     if control_port:
         args += ["--mode", f"reverse:http://stepmill.local@{control_port}"]
+    if not any("flow_detail" in a for a in extra):
+        args += ["--set", "flow_detail=0"]  # no line per flow on the console (pass --set flow_detail=1 for it)
+    # The addon comes after the user's scripts: it sees (and records) requests as they go upstream.
+    args = args + extra + ["-s", SCRIPT]
     click.echo(f"stepmill {__version__}: proxy on http://{host}:{port}, steps in {db}", err=True)
     click.echo(f"mitmproxy CA: {ca}", err=True)
     click.echo(f"trust bundle (system CAs + mitmproxy CA): {bundle}", err=True)
+    click.echo(f"write token for the control API: {'$' + ENV if os.environ.get(ENV) else token_path(confdir)}"
+               " (never give it to agents)", err=True)
     click.echo(f'agents: eval "$(stepmill env --port {port})"', err=True)
-    sys.exit(mitmdump(args + extra) or 0)
+    sys.exit(mitmdump(args) or 0)
 
 
 @main.command()
@@ -100,21 +140,42 @@ def ui(db, port, host, datasette_args):
         datasette_cli.main(args=args, prog_name="stepmill ui", standalone_mode=False)
 
 
+def open_reader(db: str):
+    """The store, read-only: readers never wait for the write lock or change the file."""
+    from .store import Store
+    from .store.connection import StoreError
+
+    try:
+        return Store(db, readonly=True)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def where_clause(where: str | None, params: tuple) -> tuple[str | None, dict]:
+    """The user's condition, parenthesised so it combines safely, and its named parameters."""
+    return (f"({where})" if where else None), dict(params)
+
+
 @main.command()
 @DB_OPTION
 @click.option("--format", "fmt", type=click.Choice(["jsonl"]), default="jsonl", show_default=True)
 @click.option("--out", type=click.File("w"), default="-", help="Output file (default: stdout).")
-@click.option("--where", help="SQL condition on the steps table, e.g. \"status = 'ok'\" (alias s).")
+@WHERE_OPTION
+@PARAM_OPTION
 @click.option("--no-tokens", is_flag=True, help="Leave prompt_ids / response_ids / logprobs out.")
-def export(db, fmt, out, where, no_tokens):
+def export(db, fmt, out, where, params, no_tokens):
     """Write steps as JSON Lines, one object per step."""
-    from .store import Store
+    import sqlite3
 
-    store = Store(db)
+    store = open_reader(db)
+    condition, values = where_clause(where, params)
     count = 0
-    for record in store.iter_steps(where, with_tokens=not no_tokens):
-        out.write(json.dumps(record, ensure_ascii=False) + "\n")
-        count += 1
+    try:
+        for record in store.iter_steps(condition, values, with_tokens=not no_tokens):
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            count += 1
+    except sqlite3.Error as exc:
+        raise click.ClickException(f"--where {where!r}: {exc}") from None
     click.echo(f"exported {count} steps", err=True)
 
 
@@ -123,9 +184,7 @@ def export(db, fmt, out, where, no_tokens):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def stats(db, as_json):
     """Counts per api, model and status; trajectories; tokens; token fidelity."""
-    from .store import Store
-
-    data = Store(db).stats()
+    data = open_reader(db).stats()
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
@@ -150,19 +209,21 @@ def stats(db, as_json):
 @DB_OPTION
 @click.option("--tokenizer", "tokenizer_path", required=True,
               help="A local tokenizer folder, or a model name already in the Hugging Face cache.")
-@click.option("--where", help="SQL condition on steps (alias s). Default: steps with a completion and no ids yet.")
+@click.option("--where", help="SQL condition on steps (alias s). Default: steps with a completion and no ids yet."
+                             " Steps with exact (engine-sampled) ids are never selected.")
+@PARAM_OPTION
 @click.option("--splice", is_flag=True,
               help="Where the parent has exact ids, keep them and render only the new messages.")
 @click.option("--redo", is_flag=True, help="Render again steps that already have rendered or spliced ids.")
 @click.option("--batch-size", default=64, show_default=True)
-def tokenize(db, tokenizer_path, where, splice, redo, batch_size):
+def tokenize(db, tokenizer_path, where, params, splice, redo, batch_size):
     """Render steps without exact ids with the tokenizer's chat template, and check the result."""
     from .store import Store
     from .trainer_bridge import tokenize_steps
 
     try:
-        report = tokenize_steps(Store(db), tokenizer_path, where=where, splice=splice, redo=redo,
-                                batch_size=batch_size)
+        report = tokenize_steps(Store(db), tokenizer_path, where=where, params=dict(params), splice=splice,
+                                redo=redo, batch_size=batch_size)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"rendered {report.rendered} steps ({report.spliced} spliced), {report.divergent} with template "
@@ -180,6 +241,22 @@ def policy_version(db, version):
     if version is not None:
         store.set_policy_version(version)
     click.echo(store.policy_version() or "")
+
+
+@main.command()
+@CONFDIR_OPTION
+@click.option("--path", "show_path", is_flag=True, help="Print where the token is kept instead of the token.")
+def token(confdir, show_path):
+    """Print the control API's write token, for a trainer or an app (never for an agent).
+
+    It is created on the proxy's first start; STEPMILL_TOKEN, when set, is the token instead.
+    """
+    from .token import ENV, ensure_token, token_path
+
+    if show_path:
+        click.echo(f"${ENV}" if os.environ.get(ENV) else token_path(confdir))
+        return
+    click.echo(ensure_token(confdir))
 
 
 if __name__ == "__main__":

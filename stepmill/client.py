@@ -14,8 +14,16 @@ import json
 import urllib.error
 import urllib.request
 from typing import Any
+from urllib.parse import quote
+
+from .token import read_token
 
 CONTROL_HOST = "http://stepmill.local"
+
+
+def _q(value: str) -> str:
+    """An id as one path segment: spaces, '/', '?', non-ASCII all percent-encoded."""
+    return quote(str(value), safe="")
 
 
 class ControlError(Exception):
@@ -28,25 +36,31 @@ class ControlError(Exception):
 
 
 class StepmillClient:
-    def __init__(self, base_url: str | None = None, *, proxy: str | None = None, timeout: float = 30.0):
+    def __init__(self, base_url: str | None = None, *, proxy: str | None = None, token: str | None = None,
+                 confdir: str | None = None, timeout: float = 30.0):
+        """``token``: the write token; by default ``STEPMILL_TOKEN``, else the one in ``confdir``
+        (mitmproxy's, ~/.mitmproxy) where the proxy on this machine created it."""
         if base_url is None and proxy is None:
             raise ValueError("give the control API's base_url, or the proxy to reach it through")
         self.base_url = (base_url or CONTROL_HOST).rstrip("/")
+        self.token = token or read_token(confdir)
         self.timeout = timeout
         handlers = [urllib.request.ProxyHandler({"http": proxy} if proxy else {})]
         self._opener = urllib.request.build_opener(*handlers)
 
     def request(self, method: str, path: str, body: dict | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json", "Accept": "application/json"})
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
         try:
             with self._opener.open(req, timeout=self.timeout) as response:
                 return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as exc:
             try:
                 message = json.loads(exc.read()).get("error", exc.reason)
-            except ValueError:
+            except (ValueError, AttributeError):
                 message = exc.reason
             raise ControlError(exc.code, message) from None
 
@@ -68,13 +82,13 @@ class StepmillClient:
         return self.request("POST", "/v1/trajectories", fields)
 
     def trajectory(self, trajectory_id: str) -> dict:
-        return self.request("GET", f"/v1/trajectories/{trajectory_id}")
+        return self.request("GET", f"/v1/trajectories/{_q(trajectory_id)}")
 
     def update_trajectory(self, trajectory_id: str, **fields) -> dict:
-        return self.request("PATCH", f"/v1/trajectories/{trajectory_id}", fields)
+        return self.request("PATCH", f"/v1/trajectories/{_q(trajectory_id)}", fields)
 
     def complete_trajectory(self, trajectory_id: str, reward: float | None = None) -> dict:
-        return self.request("POST", f"/v1/trajectories/{trajectory_id}/complete",
+        return self.request("POST", f"/v1/trajectories/{_q(trajectory_id)}/complete",
                             {} if reward is None else {"reward": reward})
 
     def submit_step(self, **fields) -> dict:
@@ -83,4 +97,4 @@ class StepmillClient:
         return self.request("POST", "/v1/steps", fields)
 
     def step(self, step_id: str) -> dict:
-        return self.request("GET", f"/v1/steps/{step_id}")
+        return self.request("GET", f"/v1/steps/{_q(step_id)}")

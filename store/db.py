@@ -7,17 +7,17 @@ import hashlib
 import json
 import sqlite3
 import uuid
-import zlib
 from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import numpy as np
-import sqlite_utils
 
 from . import linking
-from .migrations import migrate
-from .records import StepRecord
+from .assign import ensure_trajectory, find_parent, set_trajectory_fields
+from .codecs import clean, dumps, float_column, int_column, loads, packed, text_column
+from .connection import StoreError, open_database, write_transaction
+from .records import StepRecord, check_record
 from .sequences import pack_ids, pack_logprobs, split_against, unpack_ids, unpack_logprobs
 
 STATUSES = ("ok", "error", "incomplete")
@@ -30,6 +30,8 @@ EXPORT_FIELDS = [
     "prompt_ids", "response_ids", "logprobs", "token_provenance",
 ]
 
+__all__ = ["Store", "StoreError", "now_iso", "new_id", "dumps", "loads", "packed", "EXPORT_FIELDS"]
+
 
 def now_iso() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
@@ -37,29 +39,6 @@ def now_iso() -> str:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:20]}"
-
-
-def dumps(value: Any) -> str | None:
-    if value is None:
-        return None
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
-
-
-def loads(text: str | bytes | None) -> Any:
-    if text is None:
-        return None
-    if isinstance(text, bytes):  # compressed columns (the wire form)
-        text = zlib.decompress(text)
-    return json.loads(text)
-
-
-def packed(value: Any) -> bytes | None:
-    """JSON, zlib-compressed, for the columns nobody queries with SQL."""
-    return None if value is None else zlib.compress(dumps(value).encode(), 6)
-
-
-class StoreError(ValueError):
-    """A request the store refuses, with a message saying why."""
 
 
 class _LRU(OrderedDict):
@@ -77,19 +56,13 @@ class _LRU(OrderedDict):
 class Store:
     """Read and write step records. Safe to open from several processes at once."""
 
-    def __init__(self, path: str, *, cache_size: int = 512):
+    def __init__(self, path: str, *, cache_size: int = 512, readonly: bool = False):
+        """``readonly``: never write and never wait for the write lock (exports, stats, the UI)."""
         self.path = str(path)
-        conn = sqlite3.connect(self.path, timeout=30, check_same_thread=False, isolation_level=None)
-        self.db = sqlite_utils.Database(conn)
-        conn.execute("PRAGMA busy_timeout = 30000")
-        # Steps are rows of a few KB; bigger pages waste less of each page (only takes effect on a new file).
-        conn.execute("PRAGMA page_size = 16384")
-        self.db.enable_wal()
-        conn.execute("PRAGMA synchronous = NORMAL")
-        conn.execute("PRAGMA foreign_keys = ON")
-        self.schema_version = migrate(self.db)
+        self.readonly = readonly
+        self.db, self.schema_version = open_database(self.path, readonly=readonly)
         self._cache = _LRU(cache_size)
-        self._data_version = conn.execute("PRAGMA data_version").fetchone()[0]
+        self._data_version = self.db.conn.execute("PRAGMA data_version").fetchone()[0]
 
     def close(self) -> None:
         self.db.conn.close()
@@ -98,14 +71,10 @@ class Store:
     @contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, taken up front so concurrent writers queue instead of failing."""
-        conn = self.db.conn
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        if self.readonly:
+            raise StoreError(f"{self.path} was opened read-only")
+        with write_transaction(self.db.conn) as conn:
             yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
 
     def query(self, sql: str, params: Any = ()) -> list[dict]:
         return list(self.db.query(sql, params))
@@ -155,30 +124,13 @@ class Store:
         ).fetchone()[0]
         return row
 
-    def _ensure_trajectory(self, conn, trajectory_id: str, *, group_id=None, channel=None, source=None,
-                           metadata=None, policy_version=None) -> dict:
-        row = conn.execute("SELECT group_id, channel, status FROM trajectories WHERE id = ?", [trajectory_id]).fetchone()
-        if row is None:
-            conn.execute(
-                "INSERT INTO trajectories (id, group_id, channel, source, status, metadata, policy_version, created_at)"
-                " VALUES (?, ?, ?, ?, 'open', ?, ?, ?)",
-                [trajectory_id, group_id, channel or "train", source, dumps(metadata), policy_version, now_iso()],
-            )
-            return {"group_id": group_id, "channel": channel or "train", "status": "open"}
-        current = {"group_id": row[0], "channel": row[1], "status": row[2]}
-        if group_id and group_id != current["group_id"] and (current["group_id"] or "").startswith("g-"):
-            # An explicit group replaces the automatic prompt-hash group.
-            conn.execute("UPDATE trajectories SET group_id = ? WHERE id = ?", [group_id, trajectory_id])
-            current["group_id"] = group_id
-        return current
-
     def start_trajectory(self, *, trajectory_id=None, group_id=None, channel=None, metadata=None) -> dict:
         trajectory_id = trajectory_id or new_id("t")
         with self.write() as conn:
             if conn.execute("SELECT 1 FROM trajectories WHERE id = ?", [trajectory_id]).fetchone():
                 raise StoreError(f"trajectory {trajectory_id!r} already exists")
-            self._ensure_trajectory(conn, trajectory_id, group_id=group_id, channel=channel, source="api",
-                                    metadata=metadata, policy_version=self.policy_version())
+            ensure_trajectory(conn, trajectory_id, group_id=group_id, channel=channel, source="api",
+                              metadata=dumps(metadata), policy_version=self.policy_version(), created_at=now_iso())
         return self.trajectory(trajectory_id)
 
     def update_trajectory(self, trajectory_id: str, *, group_id=None, channel=None, metadata=None) -> dict:
@@ -186,12 +138,9 @@ class Store:
             row = conn.execute("SELECT metadata FROM trajectories WHERE id = ?", [trajectory_id]).fetchone()
             if row is None:
                 raise KeyError(trajectory_id)
-            if group_id is not None:
-                conn.execute("UPDATE trajectories SET group_id = ? WHERE id = ?", [group_id, trajectory_id])
-                conn.execute("UPDATE steps SET group_id = ? WHERE trajectory_id = ?", [group_id, trajectory_id])
-            if channel is not None:
-                conn.execute("UPDATE trajectories SET channel = ? WHERE id = ?", [channel, trajectory_id])
-                conn.execute("UPDATE steps SET channel = ? WHERE trajectory_id = ?", [channel, trajectory_id])
+            fields = {k: v for k, v in (("group_id", group_id), ("channel", channel)) if v is not None}
+            if fields:
+                set_trajectory_fields(conn, trajectory_id, fields)
             if metadata is not None:
                 merged = {**(loads(row[0]) or {}), **metadata}
                 conn.execute("UPDATE trajectories SET metadata = ? WHERE id = ?", [dumps(merged), trajectory_id])
@@ -208,128 +157,129 @@ class Store:
         return self.trajectory(trajectory_id)
 
     # -- recording ------------------------------------------------------------------------
-    def _find_parent(self, conn, rec: StepRecord, trajectory_id: str | None, keys: list[str]) -> dict | None:
-        """The step this call continues; ``keys`` are the rolling keys of its messages."""
-        if rec.parent_step_id:
-            row = conn.execute("SELECT trajectory_id FROM steps WHERE id = ?", [rec.parent_step_id]).fetchone()
-            if row is None:
-                raise StoreError(f"parent step {rec.parent_step_id!r} does not exist")
-            return {"id": rec.parent_step_id, "trajectory_id": row[0]}
-        if rec.previous_response_id:
-            row = conn.execute(
-                "SELECT id, trajectory_id FROM steps WHERE response_id = ? ORDER BY started_at DESC LIMIT 1",
-                [rec.previous_response_id],
-            ).fetchone()
-            if row:
-                return {"id": row[0], "trajectory_id": row[1]}
-        if not keys:
-            return None
-        position = {key: i for i, key in enumerate(keys)}
-        marks = ",".join("?" * len(keys))
-        sql = f"SELECT id, trajectory_id, continuation_key FROM steps WHERE continuation_key IN ({marks})"
-        params: list = list(keys)
-        if trajectory_id is not None:
-            sql += " AND trajectory_id = ?"
-            params.append(trajectory_id)
-        sql += " ORDER BY started_at DESC, rowid DESC"
-        best = None
-        for step_id, traj, key in conn.execute(sql, params):
-            if best is None or position[key] > best["k"]:
-                best = {"id": step_id, "trajectory_id": traj, "k": position[key]}
-        return best
-
     def record_step(self, rec: StepRecord) -> str:
         """Write one step; assigns trajectory, group, parent and index. Returns the step id."""
-        if rec.status not in STATUSES:
-            raise StoreError(f"status must be one of {', '.join(STATUSES)}, not {rec.status!r}")
-        step_id = new_id("s")
-        continuation = rec.messages + ([rec.completion] if rec.completion else [])
-        keys = linking.rolling_keys(continuation)  # keys[k] identifies continuation[:k+1]
-        message_keys = keys[: len(rec.messages)]
-        with self.write() as conn:
-            explicit = rec.trajectory_id or rec.session_id
-            parent = self._find_parent(conn, rec, explicit, message_keys)
-            if rec.trajectory_id:
-                trajectory_id, source = rec.trajectory_id, "explicit"
-            elif rec.session_id:
-                trajectory_id, source = rec.session_id, "session"
-            elif parent:
-                trajectory_id, source = parent["trajectory_id"], "chain" if rec.previous_response_id else "conversation"
-            else:
-                trajectory_id, source = new_id("t"), "conversation"
-            if parent and parent["trajectory_id"] != trajectory_id:
-                parent = None  # a chain into another trajectory is not this trajectory's history
-            traj = self._ensure_trajectory(
-                conn, trajectory_id, group_id=rec.group_id or linking.prompt_group_key(rec.messages),
-                channel=rec.channel, source=source, policy_version=rec.policy_version,
-            )
-            group_id = rec.group_id or traj["group_id"]
-            step_index = rec.step_index
-            if step_index is None:
-                step_index = conn.execute(
-                    "SELECT coalesce(max(step_index) + 1, 0) FROM steps WHERE trajectory_id = ?", [trajectory_id]
-                ).fetchone()[0]
+        return self.record_steps([rec])[0]
 
-            parent_id = parent["id"] if parent else None
-            messages_base_len, messages_suffix = split_against(rec.messages, self._continuation(parent_id, "messages"))
-            wire_base_len, wire_suffix = split_against(rec.wire_messages, self._continuation(parent_id, "wire"))
-            usage = rec.usage or {}
-            row = {
-                "id": step_id,
-                "trajectory_id": trajectory_id,
-                "group_id": group_id,
-                "parent_step_id": parent_id,
-                "step_index": step_index,
-                "api": rec.api,
-                "transport": rec.transport,
-                "host": rec.host,
-                "path": rec.path,
-                "model": rec.model,
-                "response_id": rec.response_id,
-                "request_hash": self._put_blob(conn, {"params": rec.params, "tools": rec.tools}),
-                "message_count": len(rec.messages),
-                "messages_base_len": messages_base_len,
-                "messages_suffix": dumps(list(messages_suffix)),
-                "wire_base_len": wire_base_len,
-                "wire_suffix": packed(list(wire_suffix)),
-                "completion": dumps(rec.completion),
-                "wire_completion": packed(rec.wire_completion),
-                "finish_reason": rec.finish_reason,
-                "usage": dumps(usage.get("raw", usage) if usage else None),  # normalised counts have columns
-                "input_tokens": usage.get("input_tokens"),
-                "output_tokens": usage.get("output_tokens"),
-                "cache_read_tokens": usage.get("cache_read_tokens"),
-                "cache_write_tokens": usage.get("cache_write_tokens"),
-                "status": rec.status,
-                "error": rec.error,
-                "http_status": rec.http_status,
-                "ttft_ms": rec.ttft_ms,
-                "duration_ms": rec.duration_ms,
-                "started_at": rec.started_at or now_iso(),
-                "channel": rec.channel or traj["channel"] or "train",
-                "policy_version": rec.policy_version,
-                "reward": rec.reward,
-                "headers_hash": self._put_blob(conn, rec.headers),
-                "link_key": message_keys[-1] if message_keys else None,
-                "continuation_key": keys[-1] if rec.completion else None,
-                "metadata": dumps(rec.metadata),
-                "raw_request": rec.raw_request,
-                "raw_response": rec.raw_response,
-                "token_provenance": "none",
-            }
-            row.update(self._token_columns(parent_id, rec.prompt_ids, rec.response_ids, rec.logprobs,
-                                           rec.token_provenance or "exact"))
-            cols = ",".join(row)
-            conn.execute(f"INSERT INTO steps ({cols}) VALUES ({','.join('?' * len(row))})", list(row.values()))
-            if rec.is_last:
-                conn.execute("UPDATE trajectories SET status = 'complete', completed_at = ? WHERE id = ?",
-                             [now_iso(), trajectory_id])
-        self._cache.put(("messages", step_id), continuation)
-        self._cache.put(("wire", step_id), list(rec.wire_messages) + list(rec.wire_completion or []))
+    def record_steps(self, records: list[StepRecord]) -> list[str]:
+        """Write several steps in one transaction: all of them or none (the choices of an n > 1 call)."""
+        for rec in records:
+            if rec.status not in STATUSES:
+                raise StoreError(f"status must be one of {', '.join(STATUSES)}, not {rec.status!r}")
+        cached = []
+        with self.write() as conn:
+            ids = [self._insert_step(conn, rec, cached) for rec in records]
+        for key, value in cached:
+            self._cache.put(key, value)
+        return ids
+
+    def _insert_step(self, conn: sqlite3.Connection, rec: StepRecord, cached: list) -> str:
+        notes = check_record(rec)  # odd values an agent or engine sent become notes, never a failed write
+        messages = clean(rec.messages or [])
+        completion = clean(rec.completion) if isinstance(rec.completion, dict) else None
+        wire_messages = list(rec.wire_messages or [])
+        wire_completion = list(rec.wire_completion or [])
+        step_id = new_id("s")
+        continuation = messages + ([completion] if completion else [])
+        keys = linking.rolling_keys(continuation)  # keys[k] identifies continuation[:k+1]
+        loose = linking.rolling_keys(linking.without_system(continuation))
+        loose_message_keys = loose[: len(linking.without_system(messages))]
+        system_hash = linking.system_hash(messages)
+        explicit = rec.trajectory_id or rec.session_id
+        parent = find_parent(conn, rec, explicit, keys[: len(messages)], loose_message_keys)
+        if rec.trajectory_id:
+            trajectory_id, source = rec.trajectory_id, "explicit"
+        elif rec.session_id:
+            trajectory_id, source = rec.session_id, "session"
+        elif parent:
+            trajectory_id, source = parent.trajectory_id, "chain" if rec.previous_response_id else "conversation"
+        else:
+            trajectory_id, source = new_id("t"), "conversation"
+        if parent and parent.trajectory_id != trajectory_id:
+            parent = None  # a chain into another trajectory is not this trajectory's history
+        traj = ensure_trajectory(
+            conn, trajectory_id, group_id=rec.group_id or linking.prompt_group_key(messages),
+            channel=text_column(rec.channel), default_channel=text_column(rec.default_channel), source=source,
+            policy_version=text_column(rec.policy_version), created_at=now_iso(),
+        )
+        step_index = int_column(rec.step_index)
+        if step_index is None:
+            step_index = conn.execute(
+                "SELECT coalesce(max(step_index) + 1, 0) FROM steps WHERE trajectory_id = ?", [trajectory_id]
+            ).fetchone()[0]
+        parent_id = parent.id if parent else None
+        system_changed = None
+        if parent is not None:
+            system_changed = int(system_hash != parent.system_hash)
+            if system_changed:
+                notes.append("the system prompt differs from the parent step's")
+        messages_base_len, messages_suffix = split_against(messages, self._continuation(parent_id, "messages"))
+        wire_base_len, wire_suffix = split_against(wire_messages, self._continuation(parent_id, "wire"))
+        usage = rec.usage if isinstance(rec.usage, dict) else {}
+        metadata = dict(rec.metadata) if isinstance(rec.metadata, dict) else {}
+        if notes:
+            metadata["notes"] = list(metadata.get("notes") or []) + notes
+        row = {
+            "id": step_id,
+            "trajectory_id": trajectory_id,
+            "group_id": traj["group_id"],
+            "parent_step_id": parent_id,
+            "step_index": step_index,
+            "api": text_column(rec.api),
+            "transport": text_column(rec.transport),
+            "host": text_column(rec.host),
+            "path": text_column(rec.path),
+            "model": text_column(rec.model),
+            "response_id": text_column(rec.response_id),
+            "request_hash": self._put_blob(conn, clean({"params": rec.params, "tools": rec.tools})),
+            "message_count": len(messages),
+            "messages_base_len": messages_base_len,
+            "messages_suffix": dumps(list(messages_suffix)),
+            "wire_base_len": wire_base_len,
+            "wire_suffix": packed(clean(list(wire_suffix))),
+            "completion": dumps(completion),
+            "wire_completion": packed(clean(wire_completion)),
+            "finish_reason": text_column(rec.finish_reason),
+            "usage": dumps(clean(usage.get("raw", usage)) if usage else None),  # normalised counts have columns
+            "input_tokens": int_column(usage.get("input_tokens")),
+            "output_tokens": int_column(usage.get("output_tokens")),
+            "cache_read_tokens": int_column(usage.get("cache_read_tokens")),
+            "cache_write_tokens": int_column(usage.get("cache_write_tokens")),
+            "status": rec.status,
+            "error": text_column(rec.error),
+            "http_status": int_column(rec.http_status),
+            "ttft_ms": float_column(rec.ttft_ms),
+            "duration_ms": float_column(rec.duration_ms),
+            "started_at": text_column(rec.started_at) or now_iso(),
+            "channel": traj["channel"] or "train",
+            "policy_version": text_column(rec.policy_version),
+            "reward": float_column(rec.reward),
+            "headers_hash": self._put_blob(conn, clean(rec.headers) if rec.headers else None),
+            "link_key": keys[len(messages) - 1] if messages else None,
+            "continuation_key": keys[-1] if completion else None,
+            "loose_key": loose[-1] if completion and loose else None,
+            "system_hash": system_hash,
+            "system_changed": system_changed,
+            "client_conn": text_column(rec.client_conn),
+            "metadata": dumps(clean(metadata) or None),
+            "raw_request": rec.raw_request,
+            "raw_response": rec.raw_response,
+            "token_provenance": "none",
+        }
+        row.update(self._token_columns(parent_id, rec.prompt_ids, rec.response_ids, rec.logprobs,
+                                       rec.token_provenance or "exact", system_changed=bool(system_changed)))
+        cols = ",".join(row)
+        conn.execute(f"INSERT INTO steps ({cols}) VALUES ({','.join('?' * len(row))})", list(row.values()))
+        if rec.is_last:
+            conn.execute("UPDATE trajectories SET status = 'complete', completed_at = ? WHERE id = ?",
+                         [now_iso(), trajectory_id])
+        cached.append((("messages", step_id), continuation))
+        cached.append((("wire", step_id), wire_messages + wire_completion))
         return step_id
 
     # -- token ids ------------------------------------------------------------------------
-    def _token_columns(self, parent_id, prompt_ids, response_ids, logprobs, provenance, *, spliced_len=None) -> dict:
+    def _token_columns(self, parent_id, prompt_ids, response_ids, logprobs, provenance, *, spliced_len=None,
+                       system_changed: bool = False) -> dict:
         if prompt_ids is None and response_ids is None:
             return {}
         prompt = np.asarray(prompt_ids if prompt_ids is not None else [], dtype=np.int64)
@@ -349,6 +299,8 @@ class Store:
             else:
                 reason = (f"token {base_len}: parent sequence has id {int(base[base_len])}, "
                           f"this prompt has id {int(prompt[base_len])}")
+            if system_changed:
+                reason += " (the system prompt changed since the parent step)"
         return {
             "token_provenance": provenance,
             "prompt_len": len(prompt),
@@ -367,11 +319,27 @@ class Store:
                    tokenizer: str | None = None, spliced_len: int | None = None, fidelity: str | None = None,
                    fidelity_detail: str | None = None, in_transaction: bool = False) -> None:
         """Store ids computed after capture (rendered, spliced); the parent's must already be stored."""
-        row = self.db.conn.execute("SELECT parent_step_id FROM steps WHERE id = ?", [step_id]).fetchone()
+        row = self.db.conn.execute("SELECT parent_step_id, system_changed FROM steps WHERE id = ?", [step_id]).fetchone()
         if row is None:
             raise KeyError(step_id)
-        cols = self._token_columns(row[0], prompt_ids, response_ids, logprobs, provenance, spliced_len=spliced_len)
+        cols = self._token_columns(row[0], prompt_ids, response_ids, logprobs, provenance, spliced_len=spliced_len,
+                                   system_changed=bool(row[1]))
         cols.update({"tokenizer": tokenizer, "fidelity": fidelity, "fidelity_detail": fidelity_detail})
+        if in_transaction:
+            self._update_tokens(step_id, cols)
+        else:
+            with self.write():
+                self._update_tokens(step_id, cols)
+
+    def clear_tokens(self, step_id: str, *, tokenizer: str | None, fidelity: str | None,
+                     fidelity_detail: str | None, in_transaction: bool = False) -> None:
+        """Remove a step's ids (rendering failed): it has none rather than ids of another tokenizer."""
+        cols = {"token_provenance": "none", "prompt_len": None, "prompt_base_len": None, "prompt_suffix": None,
+                "response_len": None, "response_ids": None, "logprobs": None, "spliced_len": None,
+                "consistency": None, "divergence_pos": None, "divergence_reason": None,
+                "tokenizer": tokenizer, "fidelity": fidelity, "fidelity_detail": fidelity_detail}
+        if self.db.conn.execute("SELECT 1 FROM steps WHERE id = ?", [step_id]).fetchone() is None:
+            raise KeyError(step_id)
         if in_transaction:
             self._update_tokens(step_id, cols)
         else:
@@ -384,17 +352,19 @@ class Store:
 
     def _update_tokens(self, step_id: str, cols: dict) -> None:
         conn = self.db.conn
-        # Children store their prompt as a delta against this step's ids: rebase them on the new ids.
+        # Children store their prompt as a delta against this step's ids: rebase them on the new ids, and
+        # check again those stored before this step had ids (their consistency was unknown).
         children = {
             child: self.token_sequences(child) for (child,) in conn.execute(
-                "SELECT id FROM steps WHERE parent_step_id = ? AND prompt_base_len > 0", [step_id]).fetchall()
+                "SELECT id FROM steps WHERE parent_step_id = ? AND prompt_len IS NOT NULL", [step_id]).fetchall()
         }
         self._update_columns(step_id, cols)
         self._cache.pop(("tokens", step_id), None)
         for child, (prompt, response, logprobs) in children.items():
-            provenance, spliced = conn.execute("SELECT token_provenance, spliced_len FROM steps WHERE id = ?",
-                                               [child]).fetchone()
-            rebased = self._token_columns(step_id, prompt, response, logprobs, provenance, spliced_len=spliced)
+            provenance, spliced, changed = conn.execute(
+                "SELECT token_provenance, spliced_len, system_changed FROM steps WHERE id = ?", [child]).fetchone()
+            rebased = self._token_columns(step_id, prompt, response, logprobs, provenance, spliced_len=spliced,
+                                          system_changed=bool(changed))
             self._update_columns(child, rebased)
             self._cache.pop(("tokens", child), None)
 

@@ -9,7 +9,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any, Iterable
+
+# Per-request content agents put in system prompts (Claude Code's billing header with a hash of
+# the request, dates, ids): masked before keys are computed, so a conversation keeps its key.
+_VOLATILE_LINES = re.compile(r"^\s*x-anthropic-billing-header:.*$", re.I | re.M)
+_VOLATILE = re.compile(
+    r"\b\d{4}-\d{2}-\d{2}(?:[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?\b"  # dates, times
+    r"|\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b"  # UUIDs
+    r"|\b(?=[0-9a-f]*\d)[0-9a-f]{12,}\b",  # hashes, request ids
+    re.I,
+)
+
+
+def stable_system_text(text: str) -> str:
+    """System text with volatile per-request parts masked."""
+    return _VOLATILE.sub("<v>", _VOLATILE_LINES.sub("", text)).strip()
 
 
 def content_text(content: Any) -> str:
@@ -46,7 +62,10 @@ def message_key(message: dict) -> str:
         ]
         for call in message.get("tool_calls") or []
     ]
-    key = [message.get("role"), content_text(message.get("content")).strip(), calls, message.get("tool_call_id")]
+    text = content_text(message.get("content")).strip()
+    if message.get("role") == "system":
+        text = stable_system_text(text)
+    key = [message.get("role"), text, calls, message.get("tool_call_id")]
     return json.dumps(key, sort_keys=True, ensure_ascii=False, default=str)
 
 
@@ -55,10 +74,22 @@ def rolling_keys(messages: Iterable[dict]) -> list[str]:
     digest = hashlib.sha256()
     keys = []
     for message in messages:
-        digest.update(message_key(message).encode())
+        digest.update(message_key(message).encode("utf-8", "surrogatepass"))
         digest.update(b"\x1e")
         keys.append(digest.copy().hexdigest()[:32])
     return keys
+
+
+def without_system(messages: Iterable[dict]) -> list[dict]:
+    return [m for m in messages if m.get("role") != "system"]
+
+
+def system_hash(messages: Iterable[dict]) -> str | None:
+    """A hash of the system prompt exactly as sent (None without one): tells when it changed."""
+    texts = [content_text(m.get("content")) for m in messages if m.get("role") == "system"]
+    if not texts:
+        return None
+    return hashlib.sha256("\x1e".join(texts).encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def prompt_group_key(messages: list[dict]) -> str | None:

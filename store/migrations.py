@@ -110,14 +110,42 @@ def _m002_tokens(db: sqlite_utils.Database) -> None:
     db.execute("UPDATE steps SET token_provenance = 'none' WHERE token_provenance IS NULL")
 
 
+def _m003_linking(db: sqlite_utils.Database) -> None:
+    steps = db["steps"]
+    for name, typ in [
+        ("loose_key", str),  # continuation key with system messages left out (volatile system prompts)
+        ("system_hash", str),  # the system prompt exactly as sent, hashed
+        ("system_changed", int),  # 1 when it differs from the parent's
+        ("client_conn", str),  # the agent's connection, to keep concurrent rollouts apart
+    ]:
+        steps.add_column(name, typ)
+    steps.create_index(["parent_step_id"])
+    steps.create_index(["continuation_key", "trajectory_id"])
+    steps.create_index(["loose_key", "trajectory_id"])
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("capture", _m001_capture),
     ("tokens", _m002_tokens),
+    ("linking", _m003_linking),
 ]
 
 
+def pending(db: sqlite_utils.Database) -> list[int]:
+    """Versions not applied yet (read without any lock)."""
+    if not db["schema_migrations"].exists():
+        return list(range(1, len(MIGRATIONS) + 1))
+    done = {row[0] for row in db.conn.execute("SELECT version FROM schema_migrations")}
+    return [v for v in range(1, len(MIGRATIONS) + 1) if v not in done]
+
+
 def migrate(db: sqlite_utils.Database) -> int:
-    """Apply pending migrations in order, each in its own transaction. Returns the schema version."""
+    """Apply pending migrations in order, each in its own transaction. Returns the schema version.
+
+    An up-to-date file is only read: opening it never waits for another process's write lock.
+    """
+    if not pending(db):
+        return len(MIGRATIONS)
     if not db["schema_migrations"].exists():
         db["schema_migrations"].create({"version": int, "name": str, "applied_at": str}, pk="version", if_not_exists=True)
     conn = db.conn

@@ -35,7 +35,9 @@ class StepRecord:
     session_id: str | None = None
     previous_response_id: str | None = None
     parent_step_id: str | None = None  # set by white-box submissions that know their parent
-    channel: str | None = None
+    channel: str | None = None  # explicit: it becomes the trajectory's channel
+    default_channel: str | None = None  # for a new trajectory without an explicit one (the proxy's option)
+    client_conn: str | None = None  # the agent's connection: concurrent identical rollouts stay apart
     policy_version: str | None = None
     reward: float | None = None
     step_index: int | None = None
@@ -48,3 +50,48 @@ class StepRecord:
     logprobs: list[float] | None = None
     token_provenance: str | None = None  # exact | rendered | spliced | none
     is_last: bool = False
+
+
+TOKEN_ID_LIMIT = 2**31  # ids are stored as int32
+
+
+def _ids_problem(ids: Any) -> str | None:
+    if ids is None:
+        return None
+    if not isinstance(ids, (list, tuple)):
+        return f"is a {type(ids).__name__}, not a list"
+    for i, value in enumerate(ids):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < TOKEN_ID_LIMIT:
+            return f"has {value!r} at position {i}, not a token id"
+    return None
+
+
+def check_record(rec: StepRecord) -> list[str]:
+    """Drop optional fields that cannot be stored as they are (token ids, logprobs), keeping the
+    rest of the step; returns a note for each thing dropped."""
+    notes = []
+    for name in ("prompt_ids", "response_ids"):
+        problem = _ids_problem(getattr(rec, name))
+        if problem:
+            notes.append(f"{name} {problem}; the engine's ids were not kept")
+            rec.prompt_ids = rec.response_ids = rec.logprobs = None
+            rec.token_provenance = None
+            break
+    if rec.logprobs is not None:
+        values = rec.logprobs
+        if not isinstance(values, (list, tuple)) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            notes.append("logprobs are not a list of numbers; they were not kept")
+            rec.logprobs = None
+        elif len(values) != len(rec.response_ids or []):
+            notes.append(f"logprobs has {len(values)} values for {len(rec.response_ids or [])} response ids;"
+                         " they were not kept")
+            rec.logprobs = None
+    if rec.messages is not None and not (isinstance(rec.messages, list)
+                                         and all(isinstance(m, dict) for m in rec.messages)):
+        notes.append("the conversation is not a list of messages; it was not kept")
+        rec.messages = []
+    if rec.completion is not None and not isinstance(rec.completion, dict):
+        notes.append("the completion is not a message object; it was not kept")
+        rec.completion = None
+    return notes

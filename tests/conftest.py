@@ -70,6 +70,16 @@ class Proxy:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def token(self) -> str:
+        """The write token the proxy created in its confdir (what a trainer is given)."""
+        return (self.confdir / "stepmill-token").read_text().strip()
+
+    def client(self, **kwargs):
+        from stepmill.client import StepmillClient
+
+        return StepmillClient(proxy=self.url, confdir=str(self.confdir), **kwargs)
+
     def store(self) -> Store:
         return Store(self.db)
 
@@ -129,6 +139,12 @@ def _answers(port: int) -> bool:
         return False
 
 
+def addon_failures(log_text: str) -> list[str]:
+    """Lines where the addon reported a failed hook or a lost call (mitmproxy may prefix a timestamp)."""
+    return [line for line in log_text.splitlines()
+            if "stepmill: " in line and ("hook failed" in line or "could not record the failure" in line)]
+
+
 def stop_proxy(proxy: Proxy) -> None:
     proxy.process.terminate()
     try:
@@ -136,8 +152,7 @@ def stop_proxy(proxy: Proxy) -> None:
     except subprocess.TimeoutExpired:
         proxy.process.kill()
     # The addon logs (never raises) when one of its hooks fails; a test run must show none.
-    failures = [line for line in proxy.log.read_text(errors="replace").splitlines()
-                if line.startswith("stepmill:") and "fail" in line]
+    failures = addon_failures(proxy.log.read_text(errors="replace"))
     assert not failures, "the stepmill addon reported failures:\n" + "\n".join(failures)
 
 

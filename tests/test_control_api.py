@@ -1,6 +1,7 @@
 """The control API end to end: the Python client, and raw HTTP as curl would send it."""
 
 import http.client
+import subprocess
 import json
 
 import openai
@@ -8,16 +9,15 @@ import pytest
 
 from stepmill.client import ControlError, StepmillClient
 
-from .conftest import http_json
+from .conftest import STEPMILL
 
 
-@pytest.fixture(params=["through-proxy", "control-port", "reverse-path"])
+@pytest.fixture(params=["through-proxy", "control-port"])
 def client(request, proxy):
+    # The token comes from the proxy's confdir, where a trainer on the same machine finds it.
     if request.param == "through-proxy":
-        return StepmillClient(proxy=proxy.url)  # http://stepmill.local, no DNS: the proxy answers
-    if request.param == "control-port":
-        return StepmillClient(f"http://127.0.0.1:{proxy.control_port}")
-    return StepmillClient(f"http://127.0.0.1:{proxy.reverse_port}/_stepmill")
+        return proxy.client()  # http://stepmill.local, no DNS: the proxy answers
+    return StepmillClient(f"http://127.0.0.1:{proxy.control_port}", confdir=str(proxy.confdir))
 
 
 def test_health_and_stats(client):
@@ -50,7 +50,7 @@ def test_white_box_trajectory(client, proxy, marker):
 
 
 def test_started_trajectory_urls_tag_agent_calls(proxy, marker):
-    client = StepmillClient(proxy=proxy.url)
+    client = proxy.client()
     run = client.start_trajectory(group_id=f"urls-{marker}")
     agent = openai.OpenAI(api_key="sk-x", base_url=run["base_url"] + "/v1", max_retries=0)
     agent.chat.completions.create(model="qwen-test", messages=[{"role": "user", "content": f"via base_url {marker}"}])
@@ -60,7 +60,7 @@ def test_started_trajectory_urls_tag_agent_calls(proxy, marker):
 
 
 def test_policy_version_is_stamped_on_captured_steps(proxy, openai_client, marker):
-    client = StepmillClient(proxy=proxy.url)
+    client = proxy.client()
     client.set_policy_version(f"v-{marker}")
     assert client.policy_version() == f"v-{marker}"
     openai_client.chat.completions.create(model="gpt-test", messages=[{"role": "user", "content": f"pv {marker}"}])
@@ -68,10 +68,16 @@ def test_policy_version_is_stamped_on_captured_steps(proxy, openai_client, marke
     assert step["policy_version"] == f"v-{marker}"
 
 
-def _raw(proxy, method, path, body: bytes | None = None):
-    """What curl does: one plain HTTP request to the control port."""
+PROXY_TOKEN = object()
+
+
+def _raw(proxy, method, path, body: bytes | None = None, *, token=PROXY_TOKEN):
+    """What curl does: one plain HTTP request to the control port (with the proxy's token by default)."""
     conn = http.client.HTTPConnection("127.0.0.1", proxy.control_port, timeout=10)
-    conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {proxy.token if token is PROXY_TOKEN else token}"
+    conn.request(method, path, body=body, headers=headers)
     response = conn.getresponse()
     return response.status, json.loads(response.read())
 
@@ -100,7 +106,7 @@ def test_bad_requests_get_clear_errors_and_write_nothing(proxy, method, path, bo
 
 
 def test_duplicate_trajectory_conflicts(proxy, marker):
-    client = StepmillClient(f"http://127.0.0.1:{proxy.control_port}")
+    client = StepmillClient(f"http://127.0.0.1:{proxy.control_port}", token=proxy.token)
     client.start_trajectory(trajectory_id=f"dup-{marker}")
     with pytest.raises(ControlError) as error:
         client.start_trajectory(trajectory_id=f"dup-{marker}")
@@ -113,5 +119,74 @@ def test_raw_http_submission(proxy, marker):
     status, step = _raw(proxy, "POST", "/v1/steps", json.dumps(
         {"trajectory_id": f"raw-{marker}", "prompt_ids": [5, 6], "response_ids": [7], "logprobs": [-0.1]}).encode())
     assert status == 201 and step["trajectory_id"] == f"raw-{marker}"
-    status, record = http_json("GET", f"http://127.0.0.1:{proxy.control_port}/v1/steps/{step['step_id']}")
+    status, record = _raw(proxy, "GET", f"/v1/steps/{step['step_id']}")
     assert record["prompt_ids"] == [5, 6] and record["response_ids"] == [7]
+
+
+@pytest.mark.parametrize("method,path,body", [
+    ("POST", "/v1/steps", b'{"prompt_ids": [1], "response_ids": [2], "reward": 1.0}'),
+    ("PUT", "/v1/policy_version", b'{"policy_version": "evil"}'),
+    ("POST", "/v1/trajectories", b'{}'),
+    ("GET", "/v1/stats", None),
+])
+@pytest.mark.parametrize("token", [None, "wrong-token"])
+def test_writes_and_reads_need_the_token(proxy, method, path, body, token):
+    before = proxy.store().stats()
+    status, payload = _raw(proxy, method, path, body, token=token)
+    assert status == 401 and "write token" in payload["error"]
+    after = proxy.store().stats()
+    assert after["steps"] == before["steps"] and after["policy_version"] == before["policy_version"]
+    assert _raw(proxy, "GET", "/v1/health", token=token)[0] == 200  # anonymous callers get health only
+
+
+def test_an_agent_cannot_reach_the_control_api_through_llm_hosts(proxy, marker):
+    """An agent has the proxy's address (and its own trajectory id): no host or port but the control
+    ones answers, and those need the token the agent never gets."""
+    import httpx2
+    import ssl
+
+    verify = ssl.create_default_context(cafile=proxy.env["SSL_CERT_FILE"])
+    with httpx2.Client(proxy=proxy.url, verify=verify, timeout=10) as agent:
+        for url in ("https://api.openai.com/_stepmill/v1/policy_version", "http://stepmill.local/v1/policy_version"):
+            response = agent.put(url, json={"policy_version": f"agent-{marker}"})
+            assert response.status_code in (401, 404, 405, 502), url
+    reverse = httpx2.put(f"http://127.0.0.1:{proxy.reverse_port}/_stepmill/v1/policy_version",
+                         json={"policy_version": f"agent-{marker}"}, timeout=10)
+    assert reverse.status_code != 200
+    assert proxy.client().policy_version() != f"agent-{marker}"
+    env = subprocess.run(STEPMILL + ["env", "--port", str(proxy.port), "--confdir", str(proxy.confdir)],
+                         capture_output=True, text=True, check=True).stdout
+    assert proxy.token not in env  # what agents are given holds no token
+
+
+def test_token_file_is_owner_only(proxy):
+    import stat
+
+    mode = stat.S_IMODE((proxy.confdir / "stepmill-token").stat().st_mode)
+    assert mode == 0o600 and len(proxy.token) >= 32
+
+
+@pytest.mark.parametrize("body,message", [
+    (b'{"prompt_ids": [1], "response_ids": [2], "reward": NaN}', "not a number JSON allows"),
+    (b'{"prompt_ids": [1], "response_ids": [2], "reward": Infinity}', "not a number JSON allows"),
+    (b'{"prompt_ids": [1], "response_ids": [2], "reward": 1e999}', "must be a number"),
+    (b'{"prompt_ids": [1], "response_ids": [2], "step_index": 1180591620717411303424}', "below 2^63"),
+    (b'{"prompt_ids": [1], "response_ids": [2], "metadata": {"n": 1180591620717411303424}}', "must be an object"),
+    (b'{"prompt_ids": [1], "response_ids": [2], "trajectory_id": "\\ud800"}', "must be a non-empty string"),
+    (b'{"prompt_ids": [1], "response_ids": [2], "metadata": {"x": "\\udfff"}}', "must be an object"),
+    (b'{"a":' * 5000 + b'1' + b'}' * 5000, "nested too deeply"),
+])
+def test_edge_cases_are_4xx_never_a_proxy_error_page(proxy, body, message):
+    status, payload = _raw(proxy, "POST", "/v1/steps", body)
+    assert status == 400 and message in payload["error"], payload
+
+
+def test_ids_with_odd_characters_round_trip(proxy, marker):
+    client = proxy.client()
+    for odd in (f"with space {marker}", f"slash/{marker}", f"q?{marker}", f"é-{marker}", f"pct%2F{marker}"):
+        run = client.start_trajectory(trajectory_id=odd)
+        assert run["trajectory_id"] == odd
+        assert client.trajectory(odd)["id"] == odd
+        assert client.complete_trajectory(odd, reward=0.5)["reward"] == 0.5
+    status, payload = _raw(proxy, "GET", "/v1/trajectories/%ED%A0%80")
+    assert status == 400 and "UTF-8" in payload["error"]

@@ -35,21 +35,30 @@ def test_tag_path_and_credentials():
     assert tagging.from_proxy_authorization(None) is None
 
 
-def test_identifying_headers_drop_secrets_and_transport():
-    kept = tagging.identifying_headers({"Authorization": "Bearer x", "x-api-key": "k", "Cookie": "c",
-                                        "Content-Length": "12", "User-Agent": "claude-cli/1.0",
-                                        "anthropic-beta": "tools"})
+def test_stored_headers_are_an_allowlist():
+    from stepmill.addon.secrets import stored_headers
+
+    kept = stored_headers({"Authorization": "Bearer x", "x-api-key": "k", "Cookie": "c", "Content-Length": "12",
+                           "User-Agent": "claude-cli/1.0", "anthropic-beta": "tools",
+                           "sec-websocket-protocol": "realtime, openai-insecure-api-key.sk-abcdef123456",
+                           "ocp-apim-subscription-key": "s1", "helicone-auth": "Bearer sk-helicone-123456",
+                           "x-made-up-secret-carrier": "s2"})
     assert kept == {"user-agent": "claude-cli/1.0", "anthropic-beta": "tools"}
 
 
 def test_engine_routing():
-    assert engine.is_engine("10.0.0.7", 8000, "openai.chat", "auto")
-    assert not engine.is_engine("api.openai.com", 443, "openai.chat", "auto")
-    assert not engine.is_engine("openrouter.ai", 443, "openai.chat", "auto")
-    assert not engine.is_engine("10.0.0.7", 8000, "openai.responses", "auto")
-    assert not engine.is_engine("10.0.0.7", 8000, "openai.chat", "none")
-    assert engine.is_engine("gpu1", 8000, "openai.chat", "gpu1:8000,gpu2")
-    assert not engine.is_engine("gpu3", 8000, "openai.chat", "gpu1:8000,gpu2")
+    assert engine.configured("10.0.0.7", 8000, "openai.chat", "auto") is None  # auto: the probe decides
+    assert engine.configured("api.openai.com", 443, "openai.chat", "auto") is False
+    assert engine.configured("openrouter.ai", 443, "openai.chat", "auto") is False
+    assert engine.configured("10.0.0.7", 8000, "openai.responses", "auto") is False
+    assert engine.configured("10.0.0.7", 8000, "openai.chat", "none") is False
+    assert engine.configured("gpu1", 8000, "openai.chat", "gpu1:8000,gpu2") is True
+    assert engine.configured("gpu3", 8000, "openai.chat", "gpu1:8000,gpu2") is False
+    assert engine.models_say_engine(200, b'{"object":"list","data":[{"id":"q","owned_by":"vllm"}]}')
+    assert engine.models_say_engine(200, b'{"data":[{"id":"q","owned_by":"sglang"}]}')
+    assert not engine.models_say_engine(200, b'{"data":[{"id":"gpt","owned_by":"openai"}]}')
+    assert not engine.models_say_engine(404, b'{"data":[{"owned_by":"vllm"}]}')
+    assert not engine.models_say_engine(200, b"<html>")
 
 
 def test_engine_inject_only_what_is_missing():
@@ -66,40 +75,3 @@ def test_split_against_lists_and_arrays():
     assert split_against([1, 2, 3, 4], [1, 2, 9]) == (2, [3, 4])
     k, rest = split_against(np.array([1, 2, 3]), np.array([1, 2]))
     assert k == 2 and rest.tolist() == [3]
-
-
-def test_stream_tap_reads_compressed_streams_and_passes_bytes_on():
-    import gzip
-    import json
-
-    from stepmill.addon.protocols import openai_chat
-    from stepmill.addon.stream_tap import StreamTap
-
-    events = [{"id": "c1", "model": "m", "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
-              for piece in ("Hel", "lo")]
-    events.append({"id": "c1", "model": "m", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
-    raw = b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
-    body = gzip.compress(raw)
-    tap = StreamTap(openai_chat.StreamAssembler(), content_encoding="gzip")
-    passed = b"".join(tap(body[i:i + 7]) for i in range(0, len(body), 7)) + tap(b"")
-    assert passed == body  # untouched on the way to the agent
-    completion = tap.finish()
-    assert completion.message["content"] == "Hello" and completion.status == "ok"
-
-
-def test_stream_tap_rewrites_whole_events_only():
-    import json
-
-    from stepmill.addon import engine
-    from stepmill.addon.protocols import openai_chat
-    from stepmill.addon.stream_tap import StreamTap
-
-    first = {"id": "c", "prompt_token_ids": [1, 2], "choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [3]}]}
-    last = {"id": "c", "choices": [{"index": 0, "delta": {}, "token_ids": [4], "finish_reason": "stop"}]}
-    raw = f"data: {json.dumps(first)}\n\ndata: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode()
-    added = engine.Added(token_ids=True)
-    tap = StreamTap(openai_chat.StreamAssembler(), rewrite=lambda p: engine.strip(p, added))
-    out = b"".join(tap(raw[i:i + 5]) for i in range(0, len(raw), 5)) + tap(b"")
-    assert b"token_ids" not in out and out.endswith(b"data: [DONE]\n\n")
-    completion = tap.finish()
-    assert completion.prompt_ids == [1, 2] and completion.response_ids == [3, 4]

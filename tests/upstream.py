@@ -5,6 +5,11 @@ Replies are deterministic functions of the request, so a tool loop runs without 
 a user turn with tools gets a tool call, a tool result gets a final answer. Special model
 names trigger the failure modes (see ``FAILURES``).
 
+Like real servers, a stream lingers after its terminal event before the body ends (so clients
+that close on ``[DONE]`` / ``response.completed`` cut the connection first), and only the engine
+hosts (``ENGINE_HOSTS``) accept the engine-only request fields or say ``owned_by: "vllm"``:
+every other host rejects unknown fields, as OpenAI and strict gateways do.
+
 Token ids of the engine mode come from a byte-level toy tokenizer: each message renders as
 ``<role>`` + UTF-8 bytes of its text + END (id 256), the generation prompt is ``<assistant>``.
 """
@@ -28,6 +33,11 @@ from cryptography.x509.oid import NameOID
 
 END = 256
 FAILURES = ("bad-json", "http-500", "cut-stream", "gated-stream", "unknown-event", "ws-close")
+ENGINE_HOSTS = ("engine.local", "127.0.0.1", "localhost")
+ENGINE_FIELDS = ("return_token_ids",)
+LINGER = 0.5  # seconds a stream stays open after its terminal event
+# Stream shapes, by model name prefix: each event written in two pieces, or the body compressed.
+SPLIT, GZIP, BROTLI = "split-", "gzip-", "br-"
 
 
 # -- TLS ---------------------------------------------------------------------------------------
@@ -45,7 +55,8 @@ def make_certs(folder: Path) -> tuple[Path, Path, Path]:
                                        key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
-    names = [x509.DNSName(n) for n in ("localhost", "api.openai.com", "api.anthropic.com", "engine.local")]
+    names = [x509.DNSName(n) for n in ("localhost", "api.openai.com", "api.anthropic.com", "engine.local",
+                                       "gateway.local")]
     names.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
@@ -98,6 +109,33 @@ def decide(last_role: str, last_text: str, has_tools: bool) -> tuple[str, str | 
     return "text", f"Echo: {last_text[:80]}"
 
 
+class StreamEncoder:
+    """A compressed event stream, flushed after every event as servers with streaming compression do."""
+
+    def __init__(self, name: str):
+        import zlib
+
+        import brotli
+
+        self.name = name
+        if name == "gzip":
+            z = zlib.compressobj(6, zlib.DEFLATED, 31)
+            self.chunk = lambda data: z.compress(data) + z.flush(zlib.Z_SYNC_FLUSH)
+            self.finish = z.flush
+        else:
+            b = brotli.Compressor()
+            self.chunk = lambda data: b.process(data) + b.flush()
+            self.finish = b.finish
+
+    @classmethod
+    def for_model(cls, model: str) -> "StreamEncoder | None":
+        if model.startswith(GZIP):
+            return cls("gzip")
+        if model.startswith(BROTLI):
+            return cls("br")
+        return None
+
+
 class Upstream:
     def __init__(self, folder: Path):
         self.ca, self.cert, self.key = make_certs(folder)
@@ -119,6 +157,7 @@ class Upstream:
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/responses", self.responses)
@@ -156,9 +195,39 @@ class Upstream:
     def _bad_request(message: str) -> web.Response:
         return web.json_response({"error": {"message": message, "type": "invalid_request_error"}}, status=400)
 
-    async def _sse(self, request, events, *, cut_after: int | None = None, gate: str | None = None):
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    @staticmethod
+    def is_engine_host(request) -> bool:
+        return request.host.split(":")[0] in ENGINE_HOSTS
+
+    async def models(self, request):
+        owner = "vllm" if self.is_engine_host(request) else "openai"
+        return web.json_response({"object": "list", "data": [{"id": "test-model", "object": "model", "created": 1,
+                                                              "owned_by": owner}]})
+
+    def _unknown_fields(self, request, body: dict) -> web.Response | None:
+        """Strict servers (OpenAI, gateways) reject fields they do not know; engines take them."""
+        unknown = [f for f in ENGINE_FIELDS if f in body]
+        if unknown and not self.is_engine_host(request):
+            return web.json_response({"error": {"message": f"Unrecognized request argument supplied: {unknown[0]}",
+                                                "type": "invalid_request_error"}}, status=400)
+        return None
+
+    async def _sse(self, request, events, *, model: str = "", cut_after: int | None = None, gate: str | None = None):
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        encoder = StreamEncoder.for_model(model)
+        if encoder:
+            headers["Content-Encoding"] = encoder.name
+        response = web.StreamResponse(headers=headers)
         await response.prepare(request)
+
+        async def send(data: bytes):
+            data = encoder.chunk(data) if encoder else data
+            if model.startswith(SPLIT) and len(data) > 1:  # an event across two network writes
+                await response.write(data[: len(data) // 2])
+                await asyncio.sleep(0.02)
+                data = data[len(data) // 2:]
+            await response.write(data)
+
         for i, (name, data) in enumerate(events):
             if cut_after is not None and i == cut_after:
                 request.transport.close()  # drop the connection mid-stream
@@ -167,8 +236,14 @@ class Upstream:
                 await self._gate(gate).wait()
             prefix = f"event: {name}\n" if name else ""
             payload = data if isinstance(data, str) else json.dumps(data)
-            await response.write(f"{prefix}data: {payload}\n\n".encode())
-        await response.write_eof()
+            await send(f"{prefix}data: {payload}\n\n".encode())
+        await asyncio.sleep(LINGER)  # the terminal event is out; the body ends a little later
+        if encoder:
+            await response.write(encoder.finish())
+        try:
+            await response.write_eof()
+        except ConnectionError:
+            pass  # the client already closed after the terminal event
         return response
 
     async def _failure(self, model: str):
@@ -184,7 +259,7 @@ class Upstream:
         if body is None:
             return self._bad_request("could not parse the JSON body")
         model = body.get("model", "")
-        failure = await self._failure(model)
+        failure = await self._failure(model) or self._unknown_fields(request, body)
         if failure:
             return failure
         messages = body.get("messages") or []
@@ -277,12 +352,15 @@ class Upstream:
             return await self._sse(request, events, cut_after=2)
         if model.startswith("gated-stream"):
             return await self._sse(request, events, gate=model)
-        return await self._sse(request, events)
+        return await self._sse(request, events, model=model)
 
     async def completions(self, request):
         body = await self._body(request)
         if body is None:
             return self._bad_request("could not parse the JSON body")
+        failure = self._unknown_fields(request, body)
+        if failure:
+            return failure
         text = f"Completed: {str(body.get('prompt'))[:40]}"
         return web.json_response({"id": f"cmpl-{uuid.uuid4().hex[:12]}", "object": "text_completion",
                                   "created": 1, "model": body.get("model"),

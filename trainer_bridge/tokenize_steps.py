@@ -33,7 +33,9 @@ def tokenize_steps(store: Store, tokenizer_path: str, *, where: str | None = Non
     condition = where or (("s.token_provenance IN ('none', 'rendered', 'spliced') AND s.completion IS NOT NULL")
                           if redo else DEFAULT_WHERE)
     ids = [row["id"] for row in store.query(
-        f"SELECT s.id FROM steps s WHERE {condition} AND s.token_provenance != 'exact' ORDER BY s.started_at, s.rowid",
+        # The user's condition is parenthesised: an OR in it can never reach engine-sampled (exact) ids.
+        f"SELECT s.id FROM steps s WHERE ({condition}) AND s.token_provenance != 'exact'"
+        " ORDER BY s.started_at, s.rowid",
         params)]
     report = TokenizeReport()
     bar = tqdm(total=len(ids), unit="step", desc="tokenize", disable=(not progress) if progress is not None else None)
@@ -49,9 +51,9 @@ def tokenize_steps(store: Store, tokenizer_path: str, *, where: str | None = Non
         with store.write():
             for step_id, result in results:
                 if isinstance(result, Exception):
-                    store.set_tokens(step_id, None, None, provenance="none", tokenizer=renderer.name,
-                                     fidelity="failed", fidelity_detail=f"{type(result).__name__}: {result}",
-                                     in_transaction=True)
+                    # Ids rendered earlier (maybe by another tokenizer) go: none may carry this tokenizer's name.
+                    store.clear_tokens(step_id, tokenizer=renderer.name, fidelity="failed",
+                                       fidelity_detail=f"{type(result).__name__}: {result}", in_transaction=True)
                     continue
                 rendered, provenance = result
                 if rendered is None:

@@ -129,6 +129,10 @@ class StreamAssembler:
         self.output_started = False
         self.notes: list[str] = []
 
+    @property
+    def terminal(self) -> bool:
+        return self.stopped or self.error is not None
+
     def feed(self, event: str | None, data: str) -> None:
         payload = json.loads(data)
         if not isinstance(payload, dict):

@@ -136,6 +136,10 @@ class StreamAssembler:
         self.prompt_ids = None
         self.choices: dict[int, dict] = {}
 
+    @property
+    def terminal(self) -> bool:
+        return self.done or self.error is not None
+
     def _choice(self, index: int) -> dict:
         return self.choices.setdefault(index, {
             "text": [], "reasoning": [], "calls": {}, "finish_reason": None, "ids": [], "logprobs": [],

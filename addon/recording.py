@@ -1,0 +1,172 @@
+"""From a parsed call to stored steps, never raising and never losing the call.
+
+Parsers see bodies of any shape (valid JSON with odd types, huge integers, lone surrogates), and
+a write can fail after a good parse. Each layer here catches what the one before could not:
+a full step, else an ``error`` step with what did parse and the raw bytes, else a bare
+``error`` step built from nothing the call sent but its (redacted) raw bytes.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from stepmill.store.db import Store
+from stepmill.store.records import StepRecord
+
+from . import tagging
+from .protocols import Completion, ParsedRequest, ProtocolError
+from .protocols.base import load_json_object
+from .secrets import redact_bytes, redact_json, redact_text
+
+log = logging.getLogger("stepmill")
+
+
+def iso(ts: float) -> str:
+    return _dt.datetime.fromtimestamp(ts, _dt.UTC).isoformat(timespec="milliseconds")
+
+
+def json_bytes(value: Any) -> bytes:
+    """JSON for the wire; ASCII escapes where the value holds text UTF-8 cannot carry (lone surrogates)."""
+    try:
+        return json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(value).encode()
+
+
+@dataclass
+class Call:
+    """Who made a call and where it went: everything a step needs besides the exchange itself."""
+
+    api: str
+    host: str
+    path: str
+    tags: tagging.Tags = field(default_factory=tagging.Tags)
+    session_id: str | None = None
+    headers: dict | None = None  # allowlisted, see secrets.stored_headers
+    client_conn: str | None = None
+    default_channel: str | None = None
+
+
+def parse_request(module: ModuleType, api: str, raw: bytes) -> tuple[ParsedRequest | None, dict | None, str | None]:
+    """(parsed request, JSON body, error). Never raises."""
+    try:
+        body = load_json_object(raw, "request body")
+    except ProtocolError as exc:
+        return None, None, str(exc)
+    try:
+        return module.parse_request(body, api), body, None
+    except Exception as exc:
+        return None, body, f"request body does not have the {api} shape: {type(exc).__name__}: {exc}"
+
+
+def parse_response(module: ModuleType, api: str, payload: dict) -> Completion:
+    """The completion of a whole (non-streamed) response body. Never raises."""
+    try:
+        return module.parse_response(payload, api)
+    except Exception as exc:
+        return Completion(status="error", error=f"response body does not have the {api} shape: "
+                                                f"{type(exc).__name__}: {exc}",
+                          response_id=payload.get("id") if isinstance(payload.get("id"), str) else None)
+
+
+def step_records(call: Call, request: ParsedRequest | None, parse_error: str | None, completion: Completion,
+                 messages: list, wire: list, *, notes: list[str], transport: str, started: float, ended: float,
+                 ttft_ms: float | None, http_status: int | None, policy_version: str | None, keep_raw: bool,
+                 raw_request: bytes | None, raw_response: bytes | None) -> list[StepRecord]:
+    """One record per choice (n > 1 gives several rollouts of one prompt)."""
+    status, error = completion.status, completion.error
+    if parse_error:
+        status, error = "error", parse_error + (f"; {error}" if error else "")
+    keep_raw = keep_raw or status != "ok" or bool(notes) or bool(completion.notes)
+    choices = [completion] + list(completion.alternatives)
+    records = []
+    for index, choice in enumerate(choices):
+        metadata: dict = {"notes": notes} if notes and index == 0 else {}
+        if len(choices) > 1:
+            metadata["choice_index"] = index  # each choice is its own rollout of this prompt
+        if index:
+            status, error = choice.status, choice.error
+        records.append(StepRecord(
+            api=call.api,
+            transport=transport,
+            host=call.host,
+            path=call.path,
+            model=choice.model or (request.model if request else None),
+            response_id=choice.response_id,
+            params=redact_json(request.params) if request else {},
+            tools=request.tools if request else None,
+            messages=messages,
+            wire_messages=wire,
+            completion=choice.message,
+            wire_completion=choice.wire,
+            finish_reason=choice.finish_reason,
+            usage=choice.usage,
+            status=status,
+            error=redact_text(error),
+            http_status=http_status,
+            ttft_ms=ttft_ms,
+            duration_ms=(ended - started) * 1000,
+            started_at=iso(started),
+            headers=call.headers,
+            trajectory_id=call.tags.trajectory_id,
+            group_id=call.tags.group_id,
+            channel=call.tags.channel,
+            default_channel=call.default_channel,
+            client_conn=call.client_conn,
+            session_id=call.session_id or (request.session_id if request else None),
+            previous_response_id=request.previous_response_id if request else None,
+            policy_version=policy_version,
+            metadata=metadata or None,
+            raw_request=redact_bytes(raw_request) if keep_raw and not index else None,
+            raw_response=redact_bytes(raw_response) if keep_raw and not index else None,
+            prompt_ids=choice.prompt_ids,
+            response_ids=choice.response_ids,
+            logprobs=choice.logprobs,
+            token_provenance="exact" if choice.response_ids is not None else None,
+        ))
+    return records
+
+
+def save(store: Store, records: list[StepRecord], call: Call, *, started: float, transport: str,
+         raw_request: bytes | None, raw_response: bytes | None) -> str:
+    """Write the records (all or none); on failure keep the call as an error step. Returns which layer held."""
+    try:
+        store.record_steps(records)
+        return "full"
+    except Exception as exc:
+        problem = f"stepmill could not record this call as parsed ({type(exc).__name__}: {exc})"
+    log.warning(f"stepmill: kept a call as an error step: {problem}")
+    first = records[0] if records else None
+    try:
+        store.record_step(StepRecord(
+            api=call.api, transport=transport, host=call.host, path=call.path, status="error",
+            error=redact_text(problem), started_at=iso(started), headers=call.headers,
+            model=first.model if first else None, response_id=first.response_id if first else None,
+            messages=first.messages if first else [], wire_messages=first.wire_messages if first else [],
+            trajectory_id=call.tags.trajectory_id, group_id=call.tags.group_id, channel=call.tags.channel,
+            default_channel=call.default_channel, client_conn=call.client_conn,
+            raw_request=redact_bytes(raw_request), raw_response=redact_bytes(raw_response),
+        ))
+        return "parsed"
+    except Exception as exc:
+        problem += f"; keeping what parsed failed too ({type(exc).__name__}: {exc})"
+    return save_bare(store, call.api, problem, started=started, transport=transport, raw_request=raw_request,
+                     raw_response=raw_response)
+
+
+def save_bare(store: Store, api: str, problem: str, *, started: float, transport: str,
+              raw_request: bytes | None, raw_response: bytes | None) -> str:
+    """Last resort: depends on nothing the call sent but its raw bytes."""
+    try:
+        store.record_step(StepRecord(api=str(api), transport=transport, status="error", error=redact_text(problem),
+                                     started_at=iso(started), raw_request=redact_bytes(raw_request),
+                                     raw_response=redact_bytes(raw_response)))
+        return "bare"
+    except Exception:
+        log.exception("stepmill: could not record the failure either; the call is lost")
+        return "lost"

@@ -1,0 +1,183 @@
+"""The stream tap: bytes reach the agent whole, whatever the chunking, encoding or event size.
+
+mitmproxy sends what the tap returns; an empty chunk ends an HTTP/1 body, so the tap must never
+return one, and a rewritten stream must be exactly the upstream's events minus the engine fields.
+"""
+
+import gzip
+import json
+import zlib
+
+import brotli
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stepmill.addon import engine
+from stepmill.addon.protocols import anthropic_messages, openai_chat, openai_responses
+from stepmill.addon.sse import SSEDecoder
+from stepmill.addon.stream_tap import StreamTap
+
+try:
+    from compression.zstd import compress as zstd_compress
+except ImportError:
+    from backports.zstd import compress as zstd_compress
+
+ADDED = engine.Added(token_ids=True, logprobs=True)
+
+
+def chat_events(text="Hello there", prompt_ids=(1, 2, 3), big=0):
+    first = {"id": "c1", "model": "m", "prompt_token_ids": list(prompt_ids) + list(range(big)),
+             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    events = [first]
+    for i, piece in enumerate(text[j:j + 4] for j in range(0, len(text), 4)):
+        events.append({"id": "c1", "model": "m", "choices": [{"index": 0, "delta": {"content": piece},
+                                                              "token_ids": [100 + i], "logprobs": None,
+                                                              "finish_reason": None}]})
+    events.append({"id": "c1", "model": "m", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    return events
+
+
+def sse(events, done=True, sep=b"\n\n"):
+    body = b"".join(b"data: " + json.dumps(e).encode() + sep for e in events)
+    return body + (b"data: [DONE]" + sep if done else b"")
+
+
+def stripped(events):
+    out = []
+    for e in events:
+        e = json.loads(json.dumps(e))
+        engine.strip(e, ADDED)
+        out.append(e)
+    return out
+
+
+def run(tap, chunks):
+    """What the agent receives: every returned chunk, checked to be non-empty."""
+    sent = []
+    for chunk in list(chunks) + [b""]:
+        result = tap(chunk)
+        assert isinstance(result, list), "the tap returns a list of chunks"
+        assert all(isinstance(c, bytes) and c for c in result), "never an empty chunk: it would end the body"
+        sent += result
+    return b"".join(sent)
+
+
+def received_events(body):
+    decoder = SSEDecoder()
+    return [e.data for e in decoder.push(body) + decoder.flush() if e.data]
+
+
+def rewriting_tap(encoding=None):
+    return StreamTap(openai_chat.StreamAssembler(), rewrite=lambda p: engine.strip(p, ADDED),
+                     markers=engine.MARKERS, content_encoding=encoding)
+
+
+def cuts(data, points):
+    points = sorted({p % (len(data) + 1) for p in points})
+    bounds = [0, *points, len(data)]
+    return [data[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def test_every_single_split_point_of_a_rewritten_stream():
+    events = chat_events()
+    body = sse(events)
+    want = [json.dumps(e, separators=(",", ":")) for e in stripped(events)] + ["[DONE]"]
+    for cut in range(1, len(body)):
+        tap = rewriting_tap()
+        out = run(tap, [body[:cut], body[cut:]])
+        got = received_events(out)
+        assert [json.loads(g) if g != "[DONE]" else g for g in got] == [json.loads(w) if w != "[DONE]" else w for w in want]
+        completion = tap.finish()
+        assert completion.status == "ok" and completion.message["content"] == "Hello there"
+        assert completion.prompt_ids == [1, 2, 3]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(points=st.lists(st.integers(min_value=0, max_value=10**6), max_size=30),
+       encoding=st.sampled_from([None, "gzip", "deflate", "br", "zstd"]),
+       rewrite=st.booleans(), crlf=st.booleans())
+def test_random_chunking_and_encodings(points, encoding, rewrite, crlf):
+    events = chat_events()
+    plain = sse(events, sep=b"\r\n\r\n" if crlf else b"\n\n")
+    body = {None: lambda b: b, "gzip": gzip.compress, "deflate": zlib.compress, "br": brotli.compress,
+            "zstd": zstd_compress}[encoding](plain)
+    tap = rewriting_tap(encoding) if rewrite else StreamTap(openai_chat.StreamAssembler(), content_encoding=encoding)
+    out = run(tap, cuts(body, points))
+    if rewrite:  # decoded, engine fields gone, every event there
+        assert b"token_ids" not in out and b"prompt_token_ids" not in out
+        assert len(received_events(out)) == len(events) + 1
+    else:  # untouched
+        assert out == body
+    completion = tap.finish()
+    assert completion.status == "ok" and completion.message["content"] == "Hello there"
+    assert completion.response_ids == [100, 101, 102]
+
+
+def test_a_huge_first_event_in_small_chunks():
+    """60k prompt ids in the first event (what stepmill asks vLLM for), arriving 1 KiB at a time."""
+    events = chat_events(big=60000)
+    body = sse(events)
+    tap = rewriting_tap()
+    out = run(tap, [body[i:i + 1024] for i in range(0, len(body), 1024)])
+    assert len(received_events(out)) == len(events) + 1 and b"prompt_token_ids" not in out
+    assert len(tap.finish().prompt_ids) == 60003
+
+
+def test_linear_time_for_one_large_event():
+    """An 8 MB event in 16 KiB chunks is searched once, not re-scanned per chunk."""
+    import time
+
+    payload = b"data: " + b"x" * (8 * 1024 * 1024) + b"\n\n"
+    decoder = SSEDecoder()
+    started = time.perf_counter()
+    found = []
+    for i in range(0, len(payload), 16384):
+        found += decoder.push(payload[i:i + 16384])
+    assert len(found) == 1 and len(found[0].data) == 8 * 1024 * 1024
+    assert time.perf_counter() - started < 5  # quadratic re-scanning took minutes
+
+
+def test_broken_compressed_stream_never_sends_compressed_bytes_as_plain():
+    body = gzip.compress(sse(chat_events()))
+    broken = body[:30] + b"\x00garbage\xff" * 4 + body[30:]
+    tap = rewriting_tap("gzip")
+    out = run(tap, cuts(broken, [10, 40, 80]))
+    assert b"\x1f\x8b" not in out  # the gzip magic never reaches an agent told the body is plain
+    completion = tap.finish()
+    assert completion.status != "ok" and any("decompress" in n for n in completion.notes)
+
+
+def test_unknown_encoding_passes_bytes_through_untouched():
+    tap = StreamTap(openai_chat.StreamAssembler(), rewrite=lambda p: engine.strip(p, ADDED), markers=engine.MARKERS,
+                    content_encoding="compress")
+    assert not tap.rewriting  # so the caller keeps the Content-Encoding header
+    body = b"opaque bytes \x00\x01"
+    assert run(tap, [body[:5], body[5:]]) == body
+
+
+@pytest.mark.parametrize("module,events", [
+    (anthropic_messages, [("message_start", {"type": "message_start", "message": {"id": "msg_1", "model": "m"}}),
+                          ("message_stop", {"type": "message_stop"})]),
+    (openai_responses, [("response.completed", {"type": "response.completed",
+                                                "response": {"id": "resp_1", "status": "completed", "output": []}})]),
+])
+def test_terminal_event_is_seen(module, events):
+    body = b"".join(f"event: {n}\ndata: {json.dumps(d)}\n\n".encode() for n, d in events)
+    tap = StreamTap(module.StreamAssembler())
+    assert not tap.terminal
+    run(tap, [body])
+    assert tap.terminal
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=400), st.lists(st.integers(min_value=0, max_value=400), max_size=10))
+def test_arbitrary_bytes_never_raise_and_always_pass(body, points):
+    for module in (openai_chat, anthropic_messages, openai_responses):
+        tap = StreamTap(module.StreamAssembler())
+        assert run(tap, cuts(body, points)) == body
+        tap.finish()
+        rewriting = StreamTap(module.StreamAssembler(), rewrite=lambda p: engine.strip(p, ADDED),
+                              markers=engine.MARKERS)
+        run(rewriting, cuts(body, points))
+        rewriting.finish()
