@@ -262,7 +262,7 @@ class StepmillAddon:
         if decision is None:
             bare = request.path.split("?", 1)[0].rstrip("/")
             root = bare[: -len("/chat/completions")] if bare.endswith("/chat/completions") else bare.rsplit("/", 1)[0]
-            key = (request.scheme, request.host, request.port, root)
+            key = (request.scheme, request.host, request.port, capture.call.host, root)
             decision = self.probe.known(key)
             if decision is None:
                 auth = {k: v for k, v in request.headers.items() if k.lower() in ENGINE_AUTH_HEADERS}
@@ -424,25 +424,18 @@ class StepmillAddon:
                completion: Completion, *, transport: str, started: float, ended: float, ttft_ms: float | None,
                http_status: int | None, raw_request: bytes | None, raw_response: bytes | None):
         try:
-            notes = list(completion.notes)
             messages, wire = self._resolve_chain(request) if request is not None else ([], [])
-            if request is not None and request.previous_response_id and messages is request.messages:
-                notes.append(f"previous_response_id {request.previous_response_id} was not seen by this proxy;"
-                             " the conversation starts at this request")
-            if completion.prompt_ids is None and completion.response_ids is not None:
-                notes.append("the engine returned response ids without prompt ids")
-            records = recording.step_records(
-                capture.call, request, parse_error, completion, messages, wire, notes=notes, transport=transport,
-                started=started, ended=ended, ttft_ms=ttft_ms, http_status=http_status,
-                policy_version=self.store.policy_version(), keep_raw=ctx.options.stepmill_keep_raw,
-                raw_request=raw_request, raw_response=raw_response)
+            version = self.store.policy_version()
         except Exception as exc:
             recording.save_bare(self.store, capture.call.api, f"stepmill could not read this call: {exc}",
                                 started=started, transport=transport, raw_request=raw_request,
                                 raw_response=raw_response)
             return
-        recording.save(self.store, records, capture.call, started=started, transport=transport,
-                       raw_request=raw_request, raw_response=raw_response)
+        recording.record_call(self.store, capture.call, request, parse_error, completion, messages, wire,
+                              transport=transport, started=started, ended=ended, ttft_ms=ttft_ms,
+                              http_status=http_status, policy_version=version,
+                              keep_raw=ctx.options.stepmill_keep_raw, raw_request=raw_request,
+                              raw_response=raw_response)
 
     def _record_bare(self, capture: Capture, message: str, flow: http.HTTPFlow):
         """Last resort for a hook that failed: keep the raw exchange with an error, so nothing is lost."""

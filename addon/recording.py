@@ -79,18 +79,17 @@ def step_records(call: Call, request: ParsedRequest | None, parse_error: str | N
                  ttft_ms: float | None, http_status: int | None, policy_version: str | None, keep_raw: bool,
                  raw_request: bytes | None, raw_response: bytes | None) -> list[StepRecord]:
     """One record per choice (n > 1 gives several rollouts of one prompt)."""
-    status, error = completion.status, completion.error
-    if parse_error:
-        status, error = "error", parse_error + (f"; {error}" if error else "")
-    keep_raw = keep_raw or status != "ok" or bool(notes) or bool(completion.notes)
     choices = [completion] + list(completion.alternatives)
+    keep_raw = keep_raw or bool(parse_error) or any(c.status != "ok" for c in choices) or bool(notes) \
+        or bool(completion.notes)
     records = []
     for index, choice in enumerate(choices):
         metadata: dict = {"notes": notes} if notes and index == 0 else {}
         if len(choices) > 1:
             metadata["choice_index"] = index  # each choice is its own rollout of this prompt
-        if index:
-            status, error = choice.status, choice.error
+        status, error = choice.status, choice.error
+        if parse_error:  # a request that did not parse makes every choice of it an error
+            status, error = "error", parse_error + (f"; {error}" if error else "")
         records.append(StepRecord(
             api=call.api,
             transport=transport,
@@ -130,6 +129,29 @@ def step_records(call: Call, request: ParsedRequest | None, parse_error: str | N
             token_provenance="exact" if choice.response_ids is not None else None,
         ))
     return records
+
+
+def record_call(store: Store, call: Call, request: ParsedRequest | None, parse_error: str | None,
+                completion: Completion, messages: list, wire: list, *, transport: str, started: float, ended: float,
+                ttft_ms: float | None, http_status: int | None, policy_version: str | None, keep_raw: bool,
+                raw_request: bytes | None, raw_response: bytes | None) -> str:
+    """Everything after the exchange: notes, records, the write with its fallbacks. Never raises."""
+    try:
+        notes = list(completion.notes)
+        if request is not None and request.previous_response_id and messages is request.messages:
+            notes.append(f"previous_response_id {request.previous_response_id} was not seen by this proxy;"
+                         " the conversation starts at this request")
+        if completion.prompt_ids is None and completion.response_ids is not None:
+            notes.append("the engine returned response ids without prompt ids")
+        records = step_records(call, request, parse_error, completion, messages, wire, notes=notes,
+                               transport=transport, started=started, ended=ended, ttft_ms=ttft_ms,
+                               http_status=http_status, policy_version=policy_version, keep_raw=keep_raw,
+                               raw_request=raw_request, raw_response=raw_response)
+    except Exception as exc:
+        return save_bare(store, call.api, f"stepmill could not read this call: {type(exc).__name__}: {exc}",
+                         started=started, transport=transport, raw_request=raw_request, raw_response=raw_response)
+    return save(store, records, call, started=started, transport=transport, raw_request=raw_request,
+                raw_response=raw_response)
 
 
 def save(store: Store, records: list[StepRecord], call: Call, *, started: float, transport: str,

@@ -520,6 +520,8 @@ class Store:
             record["response_ids"] = response.tolist()
             record["logprobs"] = None if logprobs is None else [float(x) for x in logprobs]
         record["params"] = request.get("params")
+        record["metadata"] = loads(row["metadata"])
+        record["system_changed"] = None if row["system_changed"] is None else bool(row["system_changed"])
         record["token_check"] = {
             "consistency": row["consistency"],
             "divergence_pos": row["divergence_pos"],

@@ -7,6 +7,7 @@ import openai
 import pytest
 
 from stepmill.store import Store, StepRecord
+from stepmill.store.db import StoreError
 
 
 def _checkpointed_size(path) -> int:
@@ -112,3 +113,81 @@ def test_token_ids_changed_by_another_process_are_not_read_stale(tmp_path):
                                               prompt_ids=[1, 9, 3, 4], response_ids=[5], token_provenance="exact"))
     record = Store(tmp_path / "t.db").step(child)
     assert record["prompt_ids"] == [1, 9, 3, 4] and record["token_check"]["consistency"] == "consistent"
+
+
+def test_readers_never_wait_for_the_write_lock(tmp_path):
+    """`stepmill stats` and `export` read while another process holds the write lock."""
+    import sqlite3
+    import subprocess
+    import time
+
+    from .conftest import STEPMILL
+
+    db = tmp_path / "locked.db"
+    store = Store(db)
+    store.record_step(StepRecord(api="openai.chat", messages=[{"role": "user", "content": "q"}],
+                                 completion={"role": "assistant", "content": "a"}))
+    store.close()
+    writer = sqlite3.connect(db, isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")  # a long write transaction elsewhere
+    try:
+        started = time.time()
+        for command in (["stats", "--json"], ["export", "--where", "s.api = :api", "-p", "api", "openai.chat"]):
+            done = subprocess.run(STEPMILL + [command[0], "--db", str(db), *command[1:]], capture_output=True,
+                                  text=True, timeout=25)
+            assert done.returncode == 0, done.stderr
+        assert time.time() - started < 20, "readers waited for the lock"
+        reader = Store(db, readonly=True)
+        assert reader.stats()["steps"] == 1
+        with pytest.raises(StoreError):
+            reader.set_policy_version("v2")
+    finally:
+        writer.execute("ROLLBACK")
+
+
+def test_a_read_only_open_of_a_missing_or_foreign_file_is_a_clear_error(tmp_path):
+    import sqlite3
+
+    from stepmill.store.db import StoreError
+
+    with pytest.raises(StoreError, match="no stepmill database"):
+        Store(tmp_path / "nothing.db", readonly=True)
+    sqlite3.connect(tmp_path / "other.db").execute("CREATE TABLE x (y)")
+    with pytest.raises(StoreError, match="not a stepmill database"):
+        Store(tmp_path / "other.db", readonly=True)
+
+
+def test_choices_of_one_call_are_recorded_all_or_none(tmp_path):
+    from stepmill.store.db import StoreError
+
+    store = Store(tmp_path / "n.db")
+    user = [{"role": "user", "content": "q"}]
+    good = StepRecord(api="openai.chat", messages=user, completion={"role": "assistant", "content": "a"})
+    bad = StepRecord(api="openai.chat", messages=user, completion={"role": "assistant", "content": "b"},
+                     parent_step_id="s-missing")
+    with pytest.raises(StoreError):
+        store.record_steps([good, bad])
+    assert store.query("SELECT count(*) AS n FROM steps")[0]["n"] == 0
+    assert len(store.record_steps([good, good])) == 2
+
+
+def test_odd_values_never_fail_a_write(tmp_path):
+    store = Store(tmp_path / "odd.db")
+    step = store.record_step(StepRecord(
+        api="openai.chat", model={"not": "a string"}, response_id=2**70, finish_reason=["stop"],
+        messages=[{"role": "user", "content": "lone \ud800 surrogate"}], completion={"role": "assistant", "content": "a"},
+        usage={"input_tokens": 2**80, "output_tokens": "3"}, headers={"x-title": "Caf\udce9"},
+        prompt_ids=[1, 2.5], response_ids=[3], logprobs=[-0.1]))
+    record = store.step(step)
+    assert record["prompt_ids"] is None and record["messages"][0]["content"] == "lone \ufffd surrogate"
+    assert any("prompt_ids" in note for note in record["metadata"]["notes"])
+    assert record["usage"]["input_tokens"] is None
+
+
+def test_the_hook_failure_check_can_fail():
+    from .conftest import addon_failures
+
+    log = ("[11:02:03.456] stepmill: request hook failed\nTraceback ...\n"
+           "[11:02:04.000] stepmill: kept a call as an error step: odd\n")
+    assert addon_failures(log) == ["[11:02:03.456] stepmill: request hook failed"]
+    assert addon_failures("stepmill: writing steps to x.db\n") == []

@@ -146,3 +146,54 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
     Store(tmp_path / "x.db").close()
     done = tokenize(tmp_path / "x.db", tmp_path / "no-such-tokenizer", "1")
     assert done.returncode != 0 and "no tokenizer at" in done.stderr and "never downloads" in done.stderr
+
+
+def _mixed_store(path):
+    """An exact-id step (engine-sampled) and a rendered-to-be step in another trajectory."""
+    store = Store(path)
+    user = {"role": "user", "content": "q"}
+    exact = store.record_step(StepRecord(api="openai.chat", trajectory_id="engine", messages=[user],
+                                         completion={"role": "assistant", "content": "a"}, prompt_ids=[1, 2],
+                                         response_ids=[3], token_provenance="exact"))
+    other = store.record_step(StepRecord(api="openai.chat", trajectory_id="hosted", messages=[user],
+                                         completion={"role": "assistant", "content": "b"}))
+    store.close()
+    return exact, other
+
+
+def test_where_with_or_never_reaches_exact_ids(tmp_path, keep_tokenizer):
+    exact, other = _mixed_store(tmp_path / "m.db")
+    done = tokenize(tmp_path / "m.db", keep_tokenizer, "s.trajectory_id = :t OR 1", "--redo", "-p", "t", "hosted")
+    assert done.returncode == 0, done.stderr
+    store = Store(tmp_path / "m.db")
+    assert store.step(exact)["prompt_ids"] == [1, 2] and store.step(exact)["token_provenance"] == "exact"
+    assert store.step(other)["token_provenance"] == "rendered"
+
+
+def test_failed_redo_leaves_no_ids_under_the_new_tokenizer_name(tmp_path, keep_tokenizer):
+    exact, other = _mixed_store(tmp_path / "r.db")
+    assert tokenize(tmp_path / "r.db", keep_tokenizer, "1").returncode == 0
+    broken = with_template(keep_tokenizer, tmp_path / "broken", "{{ raise_exception('template cannot render') }}")
+    done = tokenize(tmp_path / "r.db", broken, "1", "--redo")
+    assert done.returncode == 0 and "1 failed" in done.stderr
+    step = Store(tmp_path / "r.db").step(other)
+    assert step["prompt_ids"] is None and step["token_provenance"] == "none"
+    assert step["token_check"]["tokenizer"] == str(broken) and step["token_check"]["fidelity"] == "failed"
+    assert "template cannot render" in step["token_check"]["fidelity_detail"]
+
+
+def test_child_stored_before_its_parent_had_ids_is_checked_later(tmp_path):
+    store = Store(tmp_path / "c.db")
+    user = [{"role": "user", "content": "q"}]
+    parent = store.record_step(StepRecord(api="anthropic.messages", trajectory_id="t", messages=user,
+                                          completion={"role": "assistant", "content": "a"}))
+    child = store.record_step(StepRecord(api="openai.chat", trajectory_id="t",
+                                         messages=user + [{"role": "assistant", "content": "a"}],
+                                         prompt_ids=[1, 2, 3, 4], response_ids=[5], token_provenance="exact"))
+    assert store.step(child)["token_check"]["consistency"] is None  # nothing to compare with yet
+    store.set_tokens(parent, [1, 2], [3], provenance="rendered")
+    cold = Store(tmp_path / "c.db").step(child)
+    assert cold["prompt_ids"] == [1, 2, 3, 4] and cold["token_check"]["consistency"] == "consistent"
+    store.set_tokens(parent, [1, 9], [3], provenance="rendered")
+    again = Store(tmp_path / "c.db").step(child)
+    assert again["token_check"]["consistency"] == "divergent" and again["token_check"]["divergence_pos"] == 1

@@ -279,7 +279,7 @@ class Upstream:
         if "[[drift]]" in _text_of(last.get("content")) and response_ids:
             response_ids[0] = 1000 + response_ids[0]  # a sampled token the re-encoded text will not reproduce
         want_logprobs = bool(body.get("logprobs"))
-        logprobs = fake_logprobs(len(response_ids))
+        logprobs = fake_logprobs(len(response_ids) - (model == "qwen-bad-logprobs"))  # one short: a broken engine
         usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(response_ids),
                  "total_tokens": len(prompt_ids) + len(response_ids), "prompt_tokens_details": {"cached_tokens": 3}}
         if not body.get("stream"):
@@ -440,7 +440,12 @@ class Upstream:
         async for message in ws:
             if message.type != WSMsgType.TEXT:
                 continue
-            body = json.loads(message.data)
+            try:
+                body = json.loads(message.data)
+            except ValueError:
+                continue  # a frame the server does not understand is ignored, as OpenAI's does
+            if not isinstance(body, dict):
+                continue
             self.requests.append(body)
             if body.get("type") != "response.create":
                 continue
