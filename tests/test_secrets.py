@@ -13,7 +13,7 @@ from .conftest import start_proxy, stop_proxy, wait_until
 
 
 def test_no_secret_reaches_the_database(tmp_path, upstream, marker):
-    secret = lambda name: f"SECRET{name}{marker}"  # noqa: E731
+    secret = lambda name: f"{name}SECRET{marker}"  # noqa: E731  (every secret contains SECRET{marker})
     proxy_password = secret("PROXYPASS")
     own = start_proxy(tmp_path, upstream, "--set", "stepmill_keep_raw=true",
                       "--set", f"proxyauth=agent:{proxy_password}")
