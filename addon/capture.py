@@ -6,14 +6,22 @@ API), ``responseheaders`` taps streams, ``response`` / ``error`` write the step,
 
 Only LLM API paths are touched. Everything else (other paths, other hosts) passes byte-identical:
 tags are taken out of a request only once its path is known to be an LLM call.
+
+The hooks run on mitmproxy's event loop, which every agent's bytes go through. They recognise,
+tag, inject and tap, then hand the finished exchange (references to bytes already in memory)
+to the writer (``writer.py``); parsing, linking and SQLite happen there. Control API calls run
+in a thread of their own.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import json
 import logging
 import ssl
+import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,18 +30,20 @@ from mitmproxy import ctx, http
 from mitmproxy.proxy import mode_specs
 
 from stepmill.store.db import Store
+from stepmill.store.journal import Journal, Position, state_key
 from stepmill.token import ensure_token
 
 from . import engine, recording, secrets, tagging
 from .control_api import ControlAPI, Endpoints
-from .protocols import Completion, ParsedRequest, ProtocolError, match, openai_responses
-from .protocols.base import load_json_object
+from .ingest import call_header, is_create_frame, is_terminal_frame
+from .protocols import match, openai_responses
 from .recording import Call
 from .stream_tap import StreamTap
+from .writer import Handoff, ProcessWriter, ThreadWriter
 
 log = logging.getLogger("stepmill")
-RAW_LIMIT = 64 * 1024 * 1024  # raw bodies above this are cut, with a note
 ENGINE_AUTH_HEADERS = ("authorization", "x-api-key", "api-key")
+POLICY_REFRESH = 0.5  # seconds between checks for a policy version set by another process
 
 
 def hook_failed(name: str) -> None:
@@ -46,38 +56,38 @@ class Capture:
     """What the addon knows about one LLM call while it is in flight."""
 
     call: Call
-    module: Any
     started: float
     raw_request: bytes
-    request: ParsedRequest | None = None
-    parse_error: str | None = None
+    request_encoding: str | None
+    websocket: bool = False
     added: engine.Added = field(default_factory=engine.Added)
     tap: StreamTap | None = None
-    recorded: bool = False
+    notes: list[str] = field(default_factory=list)
+    done: bool = False
 
 
 @dataclass
 class Turn:
     """One ``response.create`` on a Responses WebSocket, until its terminal event."""
 
-    request: ParsedRequest | None
-    raw: list[bytes]
+    request: bytes
     started: float
-    parse_error: str | None = None
-    assembler: openai_responses.StreamAssembler = field(default_factory=openai_responses.StreamAssembler)
-    first_output_at: float | None = None
-    notes: list[str] = field(default_factory=list)
+    frames: list[tuple[float, bytes]] = field(default_factory=list)
 
 
 class StepmillAddon:
     def __init__(self):
-        self.store: Store | None = None
+        self.db_path: str | None = None
+        self.handoff: Handoff | None = None
+        self.writer: ThreadWriter | ProcessWriter | None = None
+        self.journal: Journal | None = None
         self.control: ControlAPI | None = None
+        self.control_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stepmill-control")
         self.connection_tags: dict[str, tagging.Tags] = {}
         self.turns: dict[str, Turn] = {}
         self.probe = engine.EngineProbe()
-        # Responses that primed a WebSocket (generate: false) are no steps, but later turns chain to them.
-        self.warmups: OrderedDict[str, tuple[list, list]] = OrderedDict()
+        self.policy_version: str | None = None
+        self._policy_stop = threading.Event()
 
     # -- set-up ---------------------------------------------------------------------------
     def load(self, loader):
@@ -97,20 +107,79 @@ class StepmillAddon:
                           "Remove from the agent's response the fields only that request caused.")
         loader.add_option("stepmill_control_host", str, "stepmill.local",
                           "Host name the control API answers on through the proxy (no DNS needed).")
+        loader.add_option("stepmill_writer", str, "process",
+                          "Where steps are parsed and written: 'process' (a writer process of its own, on "
+                          "another core) or 'thread' (a thread of the proxy).")
 
     def configure(self, updated):
-        if "stepmill_db" in updated or self.store is None:
-            if self.store is not None:
-                self.store.close()
-            self.store = Store(ctx.options.stepmill_db)
-            log.info(f"stepmill: writing steps to {self.store.path}")
-        if self.control is None or "stepmill_db" in updated or "confdir" in updated:
-            self.control = ControlAPI(self.store, self._endpoints, token=ensure_token(ctx.options.confdir))
+        if self.db_path is None or "stepmill_db" in updated or "stepmill_writer" in updated:
+            self._stop_pipeline()
+            self.db_path = ctx.options.stepmill_db
+            store = Store(self.db_path)  # creates or migrates the file before anyone writes
+            self.policy_version = store.policy_version()
+            self.journal = Journal.create(self.db_path)
+            self.writer = (ThreadWriter if ctx.options.stepmill_writer == "thread" else ProcessWriter)(
+                self.db_path, self.journal)
+            self.handoff = Handoff(self.journal, self.writer.notify)
+            self.control = ControlAPI(store, self._endpoints, token=ensure_token(ctx.options.confdir),
+                                      status=self._status, on_policy_version=self._set_policy_version)
+            self._policy_stop = threading.Event()
+            threading.Thread(target=self._watch_policy_version, args=(self.db_path, self._policy_stop),
+                             name="stepmill-policy", daemon=True).start()
+            log.info(f"stepmill: writing steps to {self.db_path} ({ctx.options.stepmill_writer} writer, "
+                     f"journal {self.journal.folder})")
+        elif "confdir" in updated and self.control is not None:
+            self.control.token = ensure_token(ctx.options.confdir)
 
     def done(self):
-        if self.store is not None:
-            self.store.close()
-            self.store = None
+        self._stop_pipeline()
+        self.control_thread.shutdown(wait=False)
+
+    def _stop_pipeline(self):
+        self._policy_stop.set()
+        if self.handoff is not None:
+            self.handoff.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.journal is not None and self.control is not None:
+            key = state_key(self.journal.id)
+            if not self.journal.backlog(Position.parse(self.control.store.get_state(key))):
+                self.control.store.set_state(key, None)  # all committed: nothing to replay
+                self.journal.remove()
+            else:
+                log.warning(f"stepmill: calls left in {self.journal.folder}; the next start commits them")
+        if self.journal is not None:
+            self.journal.release()
+        if self.control is not None:
+            self.control.store.close()
+        self.handoff = self.writer = self.journal = self.control = None
+
+    def _set_policy_version(self, version: str | None) -> None:
+        self.policy_version = version
+
+    def _watch_policy_version(self, db_path: str, stop: threading.Event) -> None:
+        """Policy versions set by another process (`stepmill policy-version`): read off the loop, cached."""
+        store = Store(db_path, readonly=True)
+        seen = None
+        while not stop.wait(POLICY_REFRESH):
+            try:
+                version = store.db.conn.execute("PRAGMA data_version").fetchone()[0]
+                if version != seen:
+                    seen = version
+                    self.policy_version = store.policy_version()
+            except Exception:
+                pass  # a busy file: the cached version stands until the next look
+        store.close()
+
+    def _status(self) -> dict:
+        """The capture pipeline's state, for health and stats (in the control thread)."""
+        out = {"writer": ctx.options.stepmill_writer}
+        if self.handoff is not None:
+            out.update(self.handoff.status())
+        if self.journal is not None and self.control is not None:
+            position = Position.parse(self.control.store.get_state(state_key(self.journal.id)))
+            out["uncommitted_bytes"] = self.journal.backlog(position)
+        return out
 
     def _endpoints(self) -> Endpoints:
         ends = Endpoints()
@@ -146,8 +215,13 @@ class StepmillAddon:
 
     async def request(self, flow: http.HTTPFlow):
         try:
+            if flow.response is not None:
+                return  # another addon answered already (mitmproxy's proxyauth: 407)
+            if self._is_control(flow):
+                await self._answer_control(flow)
+                return
             capture = self._request(flow)
-            if capture is not None and capture.request is not None:
+            if capture is not None and not capture.websocket:
                 await self._maybe_inject(flow, capture)
         except Exception:
             hook_failed("request")
@@ -161,8 +235,7 @@ class StepmillAddon:
                 rewrite = None
                 if capture.added and ctx.options.stepmill_engine_strip:
                     rewrite = lambda payload: engine.strip(payload, capture.added)  # noqa: E731
-                capture.tap = StreamTap(capture.module.StreamAssembler(capture.call.api), rewrite=rewrite,
-                                        markers=engine.MARKERS,
+                capture.tap = StreamTap(rewrite=rewrite, markers=engine.MARKERS,
                                         content_encoding=flow.response.headers.get("content-encoding"))
                 if capture.tap.rewriting and "content-encoding" in flow.response.headers:
                     del flow.response.headers["content-encoding"]  # rewritten events go out decoded
@@ -172,34 +245,25 @@ class StepmillAddon:
 
     def response(self, flow: http.HTTPFlow):
         capture: Capture | None = flow.metadata.get("stepmill")
-        if capture is None or capture.recorded or flow.response is None or flow.response.status_code == 101:
+        if capture is None or capture.done or flow.response is None:
             return
+        if capture.websocket and flow.response.status_code == 101:
+            return  # the turns are steps, recorded as they end
         try:
-            self._finish_http(flow, capture)
+            self._finish(flow, capture, error=None)
         except Exception as exc:
             hook_failed("response")
-            self._record_bare(capture, f"stepmill could not record this call: {exc}", flow)
+            self._submit_failure(capture, f"stepmill could not record this call: {exc}", flow)
 
     def error(self, flow: http.HTTPFlow):
         capture: Capture | None = flow.metadata.get("stepmill")
-        if capture is None or capture.recorded or flow.websocket is not None:
+        if capture is None or capture.done or flow.websocket is not None:
             return
         try:
-            message = flow.error.msg if flow.error else "connection failed"
-            if capture.tap is not None:
-                completion = capture.tap.finish()
-                # Clients close (or reset an HTTP/2 stream) right after the last event, before the body
-                # ends: a stream whose terminal event arrived is whole. Only one cut before it is not.
-                if not capture.tap.terminal:
-                    completion.status = "incomplete"
-                    completion.error = f"{message} (stream cut after {len(capture.tap.raw)} bytes)"
-                self._record(capture, completion, flow, transport="sse", raw_response=bytes(capture.tap.raw))
-            else:
-                self._record(capture, Completion(status="error", error=message), flow, transport="http",
-                             raw_response=flow.response.raw_content if flow.response else None)
+            self._finish(flow, capture, error=flow.error.msg if flow.error else "connection failed")
         except Exception as exc:
             hook_failed("error")
-            self._record_bare(capture, f"stepmill could not record this call: {exc}", flow)
+            self._submit_failure(capture, f"stepmill could not record this call: {exc}", flow)
 
     # -- HTTP ------------------------------------------------------------------------------
     def _is_control(self, flow: http.HTTPFlow) -> bool:
@@ -211,12 +275,7 @@ class StepmillAddon:
             and flow.request.host == ctx.options.stepmill_control_host
 
     def _request(self, flow: http.HTTPFlow) -> Capture | None:
-        if flow.response is not None:
-            return None  # another addon answered already (mitmproxy's proxyauth: 407)
         request = flow.request
-        if self._is_control(flow):
-            self._answer_control(flow)
-            return None
         tagged = tagging.split_tag_path(request.path)
         api_path = tagged[1] if tagged else request.path
         found = match(api_path)
@@ -237,24 +296,19 @@ class StepmillAddon:
         tags = tags.merge(tagging.pop_header_tags(request.headers))
         tags = tags.merge(self.connection_tags.get(flow.client_conn.id))
         tags = tags.merge(self._credential_tags(request.headers.get("proxy-authorization")))
-        raw = request.get_content(strict=False) or b""
         capture = Capture(
             call=Call(api=api, host=host, path=request.path.split("?", 1)[0], tags=tags,
                       session_id=tagging.session_id(request.headers),
                       headers=secrets.stored_headers(request.headers), client_conn=flow.client_conn.id,
                       default_channel=ctx.options.stepmill_channel),
-            module=module, started=request.timestamp_start or time.time(), raw_request=raw[:RAW_LIMIT],
+            started=request.timestamp_start or time.time(), raw_request=request.raw_content or b"",
+            request_encoding=request.headers.get("content-encoding"), websocket=websocket,
         )
         flow.metadata["stepmill"] = capture
-        if websocket:
-            return capture
-        capture.request, body, capture.parse_error = recording.parse_request(module, api, raw)
-        flow.metadata["stepmill_body"] = body
         return capture
 
     async def _maybe_inject(self, flow: http.HTTPFlow, capture: Capture) -> None:
-        body = flow.metadata.pop("stepmill_body", None)
-        if not ctx.options.stepmill_engine_inject or body is None:
+        if not ctx.options.stepmill_engine_inject:
             return
         request = flow.request
         decision = engine.configured(capture.call.host, request.port, capture.call.api,
@@ -268,7 +322,13 @@ class StepmillAddon:
                 auth = {k: v for k, v in request.headers.items() if k.lower() in ENGINE_AUTH_HEADERS}
                 decision = await self.probe.ask(key, request.scheme, (request.host, request.port), request.host_header
                                                 or request.host, root + "/models", auth, self._upstream_ssl())
-        if decision:
+        if not decision:
+            return
+        try:  # only requests to engines are parsed on the loop: the fields must be added before bytes move
+            body = json.loads(request.get_content(strict=False) or b"")
+        except ValueError:
+            return  # the writer records it as the malformed request it is
+        if isinstance(body, dict):
             capture.added = engine.inject(body, capture.call.api)
             if capture.added:
                 request.set_content(recording.json_bytes(body))
@@ -281,30 +341,53 @@ class StepmillAddon:
             context.verify_mode = ssl.CERT_NONE
         return context
 
-    def _finish_http(self, flow: http.HTTPFlow, capture: Capture):
+    def _finish(self, flow: http.HTTPFlow, capture: Capture, *, error: str | None) -> None:
         response = flow.response
+        header = self._header(capture, "sse" if capture.tap is not None else "http")
+        header.update(error=error, ended=(response.timestamp_end if response and response.timestamp_end else None)
+                      or time.time(), http_status=response.status_code if response is not None else None,
+                      websocket_upgrade=capture.websocket)
         if capture.tap is not None:
-            completion = capture.tap.finish()
-            self._record(capture, completion, flow, transport="sse", raw_response=bytes(capture.tap.raw))
+            header.update(marks=capture.tap.marks, response_encoding=capture.tap.content_encoding,
+                          notes=capture.notes + capture.tap.notes)
+            self._submit(capture, header, [capture.raw_request, capture.tap.raw])
             return
-        body = response.get_content(strict=False) or b""
-        if response.status_code >= 400:
-            completion = Completion(status="error", error=f"upstream answered {response.status_code}: "
-                                    f"{body[:2000].decode('utf-8', 'replace')}")
-        else:
-            try:
-                payload = load_json_object(body, "response body")
-            except ProtocolError as exc:
-                completion = Completion(status="error", error=str(exc))
-            else:
-                completion = recording.parse_response(capture.module, capture.call.api, payload)
-                if capture.added and ctx.options.stepmill_engine_strip:
-                    try:
-                        if engine.strip(payload, capture.added):
-                            response.set_content(recording.json_bytes(payload))
-                    except Exception as exc:  # the agent gets the engine's body rather than none
-                        completion.notes.append(f"could not remove the engine fields: {exc}")
-        self._record(capture, completion, flow, transport="http", raw_response=body)
+        body = (response.raw_content or b"") if response is not None else b""
+        header.update(response_started=response.timestamp_start if response is not None else None,
+                      response_encoding=response.headers.get("content-encoding") if response is not None else None)
+        if capture.added and ctx.options.stepmill_engine_strip and response is not None \
+                and response.status_code < 400 and error is None:
+            self._strip_plain(response, capture)
+        header["notes"] = capture.notes
+        self._submit(capture, header, [capture.raw_request, body])
+
+    def _strip_plain(self, response: http.Response, capture: Capture) -> None:
+        """An engine's whole body: the fields only stepmill asked for are taken out before it moves."""
+        try:
+            payload = json.loads(response.get_content(strict=False) or b"")
+            if isinstance(payload, dict) and engine.strip(payload, capture.added):
+                response.set_content(recording.json_bytes(payload))
+        except Exception as exc:  # the agent gets the engine's body rather than none
+            capture.notes.append(f"could not remove the engine fields: {exc}")
+
+    def _header(self, capture: Capture, kind: str) -> dict:
+        return {"kind": kind, **call_header(capture.call), "started": capture.started,
+                "policy_version": self.policy_version, "keep_raw": ctx.options.stepmill_keep_raw,
+                "request_encoding": capture.request_encoding}
+
+    def _submit(self, capture: Capture, header: dict, blobs: list) -> None:
+        capture.done = True
+        if self.handoff is not None:
+            self.handoff.submit(header, blobs)
+
+    def _submit_failure(self, capture: Capture, message: str, flow: http.HTTPFlow):
+        """Last resort for a hook that failed: keep the raw exchange with an error, so nothing is lost."""
+        if capture.done:
+            return
+        raw_response = capture.tap.raw if capture.tap is not None else \
+            ((flow.response.raw_content or b"") if flow.response is not None else b"")
+        header = {"kind": "failure", **call_header(capture.call), "started": capture.started, "error": message}
+        self._submit(capture, header, [capture.raw_request, raw_response])
 
     # -- WebSocket (Responses) ----------------------------------------------------------------
     def websocket_message(self, flow: http.HTTPFlow):
@@ -312,7 +395,23 @@ class StepmillAddon:
         if capture is None or flow.websocket is None:
             return
         try:
-            self._websocket_message(flow, capture)
+            message = flow.websocket.messages[-1]
+            content = message.content
+            if message.from_client:
+                if not is_create_frame(content):
+                    return  # other client frames (steering, pings, anything unparsable) do not end a turn
+                pending = self.turns.pop(flow.id, None)
+                if pending is not None:
+                    self._finish_turn(capture, pending, cut="a new response.create arrived before this turn ended")
+                self.turns[flow.id] = Turn(request=content, started=message.timestamp)
+                return
+            turn = self.turns.get(flow.id)
+            if turn is None:
+                return
+            turn.frames.append((message.timestamp, content))
+            if is_terminal_frame(content):
+                self.turns.pop(flow.id, None)
+                self._finish_turn(capture, turn)
         except Exception:
             hook_failed("websocket_message")
 
@@ -321,134 +420,27 @@ class StepmillAddon:
         turn = self.turns.pop(flow.id, None)
         if capture is None or turn is None:
             return
-        reason = flow.websocket.close_reason if flow.websocket else None
-        self._finish_turn(flow, capture, turn, cut=f"WebSocket closed before the turn ended"
+        try:
+            reason = flow.websocket.close_reason if flow.websocket else None
+            self._finish_turn(capture, turn, cut=f"WebSocket closed before the turn ended"
                                                  f" (code {flow.websocket.close_code if flow.websocket else '?'}"
                                                  f"{', ' + reason if reason else ''})")
+        except Exception:
+            hook_failed("websocket_end")
 
-    def _websocket_message(self, flow: http.HTTPFlow, capture: Capture):
-        message = flow.websocket.messages[-1]
-        content = message.content
-        if message.from_client:
-            try:
-                payload = load_json_object(content, "WebSocket frame")
-            except ProtocolError:
-                payload = None
-            if payload is None or payload.get("type") != "response.create":
-                return  # other client frames (steering, pings, anything unparsable) do not end a turn
-            pending = self.turns.pop(flow.id, None)
-            if pending is not None:
-                self._finish_turn(flow, capture, pending, cut="a new response.create arrived before this turn ended")
-            turn = Turn(request=None, raw=[content], started=message.timestamp)
-            try:
-                turn.request = openai_responses.parse_request(payload)
-            except Exception as exc:
-                turn.parse_error = f"response.create does not have the Responses shape: {type(exc).__name__}: {exc}"
-            self.turns[flow.id] = turn
-            return
-        turn = self.turns.get(flow.id)
-        if turn is None:
-            return
-        turn.raw.append(content)
-        try:
-            turn.assembler.feed(None, content.decode("utf-8", "replace"))
-        except Exception as exc:
-            turn.assembler.notes.append(f"unparsed frame {content[:200]!r}: {exc}")
-        if turn.first_output_at is None and turn.assembler.output_started:
-            turn.first_output_at = message.timestamp
-        if turn.assembler.terminal:
-            self.turns.pop(flow.id, None)
-            self._finish_turn(flow, capture, turn)
-
-    def _finish_turn(self, flow, capture: Capture, turn: Turn, cut: str | None = None):
-        raw_request = b"\n".join(turn.raw[:1])
-        raw_response = b"\n".join(turn.raw[1:])
-        try:
-            completion = turn.assembler.finish()
-            if cut and completion.status == "ok":
-                completion.status, completion.error = "incomplete", cut
-            elif cut:
-                completion.error = f"{completion.error}; {cut}" if completion.error else cut
-            request = turn.request
-            if request is not None and not request.generate:
-                if completion.response_id:
-                    messages, wire = self._resolve_chain(request)
-                    self.warmups[completion.response_id] = (messages, wire + list(completion.wire))
-                    while len(self.warmups) > 1024:
-                        self.warmups.popitem(last=False)
-                return
-            ttft = (turn.first_output_at - turn.started) * 1000 if turn.first_output_at else None
-            self._write(capture, request, turn.parse_error, completion, transport="websocket", started=turn.started,
-                        ended=time.time(), ttft_ms=ttft, http_status=101, raw_request=raw_request,
-                        raw_response=raw_response)
-        except Exception as exc:
-            hook_failed("websocket turn")
-            recording.save_bare(self.store, capture.call.api, f"stepmill could not record this turn: {exc}",
-                                started=turn.started, transport="websocket", raw_request=raw_request,
-                                raw_response=raw_response)
-
-    # -- writing steps ----------------------------------------------------------------------
-    def _resolve_chain(self, request: ParsedRequest) -> tuple[list, list]:
-        """The full conversation of a Responses request that names its previous response."""
-        if not request.previous_response_id:
-            return request.messages, request.wire_messages
-        base = self.warmups.get(request.previous_response_id)
-        if base is None:
-            rows = self.store.query("SELECT id FROM steps WHERE response_id = ? ORDER BY rowid DESC LIMIT 1",
-                                    [request.previous_response_id])
-            base = self.store.continuation(rows[0]["id"]) if rows else None
-        if base is None:
-            return request.messages, request.wire_messages
-        base_messages, base_wire = base
-        system = [m for m in request.messages[:1] if m.get("role") == "system"]
-        history = base_messages[1:] if base_messages and base_messages[0].get("role") == "system" else base_messages
-        return system + list(history) + request.messages[len(system):], list(base_wire) + list(request.wire_messages)
-
-    def _record(self, capture: Capture, completion: Completion, flow: http.HTTPFlow, *, transport: str,
-                raw_response: bytes | None):
-        response = flow.response
-        end = (response.timestamp_end if response and response.timestamp_end else None) or time.time()
-        if capture.tap is not None and capture.tap.first_output_at:
-            ttft = (capture.tap.first_output_at - capture.started) * 1000
-        elif response is not None and response.timestamp_start and transport == "http":
-            ttft = (response.timestamp_start - capture.started) * 1000
-        else:
-            ttft = None
-        capture.recorded = True
-        self._write(capture, capture.request, capture.parse_error, completion, transport=transport,
-                    started=capture.started, ended=end, ttft_ms=ttft,
-                    http_status=response.status_code if response else None,
-                    raw_request=capture.raw_request, raw_response=raw_response)
-
-    def _write(self, capture: Capture, request: ParsedRequest | None, parse_error: str | None,
-               completion: Completion, *, transport: str, started: float, ended: float, ttft_ms: float | None,
-               http_status: int | None, raw_request: bytes | None, raw_response: bytes | None):
-        try:
-            messages, wire = self._resolve_chain(request) if request is not None else ([], [])
-            version = self.store.policy_version()
-        except Exception as exc:
-            recording.save_bare(self.store, capture.call.api, f"stepmill could not read this call: {exc}",
-                                started=started, transport=transport, raw_request=raw_request,
-                                raw_response=raw_response)
-            return
-        recording.record_call(self.store, capture.call, request, parse_error, completion, messages, wire,
-                              transport=transport, started=started, ended=ended, ttft_ms=ttft_ms,
-                              http_status=http_status, policy_version=version,
-                              keep_raw=ctx.options.stepmill_keep_raw, raw_request=raw_request,
-                              raw_response=raw_response)
-
-    def _record_bare(self, capture: Capture, message: str, flow: http.HTTPFlow):
-        """Last resort for a hook that failed: keep the raw exchange with an error, so nothing is lost."""
-        if capture.recorded:
-            return
-        capture.recorded = True
-        raw_response = (capture.tap and bytes(capture.tap.raw)) or (flow.response.raw_content if flow.response else None)
-        recording.save_bare(self.store, capture.call.api, message, started=capture.started, transport="http",
-                            raw_request=capture.raw_request, raw_response=raw_response)
+    def _finish_turn(self, capture: Capture, turn: Turn, cut: str | None = None):
+        header = self._header(capture, "websocket")
+        header.update(started=turn.started, ended=time.time(), cut=cut,
+                      frames=[[at, i + 1] for i, (at, _) in enumerate(turn.frames)])
+        if self.handoff is not None:
+            self.handoff.submit(header, [turn.request] + [content for _, content in turn.frames])
 
     # -- control API ----------------------------------------------------------------------------
-    def _answer_control(self, flow: http.HTTPFlow):
-        status, payload = self.control.handle(flow.request.method, flow.request.path,
-                                              flow.request.get_content(strict=False) or b"",
-                                              authorization=flow.request.headers.get("authorization"))
+    async def _answer_control(self, flow: http.HTTPFlow):
+        """Answered in the control thread: its reads and writes never hold up the loop."""
+        request = flow.request
+        status, payload = await asyncio.get_running_loop().run_in_executor(
+            self.control_thread, lambda: self.control.handle(request.method, request.path,
+                                                             request.get_content(strict=False) or b"",
+                                                             authorization=request.headers.get("authorization")))
         flow.response = http.Response.make(status, recording.json_bytes(payload), {"Content-Type": "application/json"})

@@ -137,12 +137,17 @@ TRAJECTORY_FIELDS = {"trajectory_id": STRING, "group_id": STRING, "channel": STR
 
 
 class ControlAPI:
-    def __init__(self, store: Store, endpoints: Callable[[], Endpoints] = Endpoints, *, token: str):
+    def __init__(self, store: Store, endpoints: Callable[[], Endpoints] = Endpoints, *, token: str,
+                 status: Callable[[], dict] = dict, on_policy_version: Callable[[str | None], None] = lambda v: None):
+        """``status``: the capture pipeline's backlog, for health and stats; ``on_policy_version``: told
+        of every new version, so the proxy stamps it without reading the file per step."""
         if not token:
             raise ValueError("the control API needs a write token")
         self.store = store
         self.endpoints = endpoints
         self.token = token
+        self.status = status
+        self.on_policy_version = on_policy_version
         self.routes = [
             ("GET", r"/v1/health", self.health),
             ("GET", r"/v1/stats", self.stats),
@@ -198,10 +203,10 @@ class ControlAPI:
     # -- endpoints ----------------------------------------------------------------------
     def health(self, body):
         return 200, {"ok": True, "version": __version__, "db": self.store.path,
-                     "schema_version": self.store.schema_version, "time": now_iso()}
+                     "schema_version": self.store.schema_version, "time": now_iso(), "capture": self.status()}
 
     def stats(self, body):
-        return 200, self.store.stats()
+        return 200, {**self.store.stats(), "capture": self.status()}
 
     def get_policy_version(self, body):
         return 200, {"policy_version": self.store.policy_version()}
@@ -209,7 +214,9 @@ class ControlAPI:
     def set_policy_version(self, body):
         data = _check(_object(body), {"policy_version": VERSION}, required=("policy_version",))
         self.store.set_policy_version(data["policy_version"])
-        return 200, {"policy_version": self.store.policy_version()}
+        version = self.store.policy_version()
+        self.on_policy_version(version)
+        return 200, {"policy_version": version}
 
     def _with_urls(self, trajectory: dict) -> dict:
         ends = self.endpoints()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import sqlite3
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -24,6 +25,17 @@ from .protocols.base import load_json_object
 from .secrets import redact_bytes, redact_json, redact_text
 
 log = logging.getLogger("stepmill")
+# SQLite errors that say the file cannot be written now (not that this call is odd): the writer
+# keeps the call in the journal and tries again later instead of recording it as a failure.
+_ENVIRONMENT = ("locked", "busy", "full", "disk i/o", "readonly", "read-only", "unable to open")
+
+
+class EnvironmentFailure(Exception):
+    """The database cannot take writes right now; the call stays in the journal."""
+
+
+def _environmental(exc: Exception) -> bool:
+    return isinstance(exc, sqlite3.OperationalError) and any(w in str(exc).lower() for w in _ENVIRONMENT)
 
 
 def iso(ts: float) -> str:
@@ -148,6 +160,8 @@ def record_call(store: Store, call: Call, request: ParsedRequest | None, parse_e
                                http_status=http_status, policy_version=policy_version, keep_raw=keep_raw,
                                raw_request=raw_request, raw_response=raw_response)
     except Exception as exc:
+        if _environmental(exc):
+            raise EnvironmentFailure(str(exc)) from exc
         return save_bare(store, call.api, f"stepmill could not read this call: {type(exc).__name__}: {exc}",
                          started=started, transport=transport, raw_request=raw_request, raw_response=raw_response)
     return save(store, records, call, started=started, transport=transport, raw_request=raw_request,
@@ -161,6 +175,8 @@ def save(store: Store, records: list[StepRecord], call: Call, *, started: float,
         store.record_steps(records)
         return "full"
     except Exception as exc:
+        if _environmental(exc):
+            raise EnvironmentFailure(str(exc)) from exc
         problem = f"stepmill could not record this call as parsed ({type(exc).__name__}: {exc})"
     log.warning(f"stepmill: kept a call as an error step: {problem}")
     first = records[0] if records else None
@@ -176,6 +192,8 @@ def save(store: Store, records: list[StepRecord], call: Call, *, started: float,
         ))
         return "parsed"
     except Exception as exc:
+        if _environmental(exc):
+            raise EnvironmentFailure(str(exc)) from exc
         problem += f"; keeping what parsed failed too ({type(exc).__name__}: {exc})"
     return save_bare(store, call.api, problem, started=started, transport=transport, raw_request=raw_request,
                      raw_response=raw_response)
@@ -189,6 +207,8 @@ def save_bare(store: Store, api: str, problem: str, *, started: float, transport
                                      started_at=iso(started), raw_request=redact_bytes(raw_request),
                                      raw_response=redact_bytes(raw_response)))
         return "bare"
-    except Exception:
+    except Exception as exc:
+        if _environmental(exc):
+            raise EnvironmentFailure(str(exc)) from exc
         log.exception("stepmill: could not record the failure either; the call is lost")
         return "lost"

@@ -8,6 +8,7 @@ that is stored raw (bodies of failed steps, errors, parameters) passes through `
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 REDACTED = "[redacted]"
@@ -21,25 +22,31 @@ ALLOWED_HEADERS = frozenset({
     "x-claude-code-session-id", "session_id", "session-id", "x-session-id", "conversation_id",
 })
 
-# Field names whose values are credentials, wherever they appear in a JSON body.
-SECRET_NAME = re.compile(
-    r"^(?:.*[_-])?(?:api[_-]?key|apikey|key|secret|password|passwd|token|access[_-]?token|auth[_-]?token|"
-    r"refresh[_-]?token|id[_-]?token|authorization|credentials?|private[_-]?key|subscription[_-]?key)$", re.I)
+# Field names whose values are credentials, wherever they appear in a JSON body or a query.
+_SECRET_NAME = (r"(?:[A-Za-z0-9_\-]*[_-])?(?:api[_-]?key|apikey|key|secret|password|passwd|token|access[_-]?token|"
+                r"auth[_-]?token|refresh[_-]?token|id[_-]?token|authorization|credentials?|private[_-]?key|"
+                r"subscription[_-]?key)")
+SECRET_NAME = re.compile(f"^{_SECRET_NAME}$", re.I)
 # A few names above are ordinary request parameters: keep those.
 NOT_SECRET = frozenset({"prompt_cache_key", "cache_key", "idempotency_key", "max_tokens", "key_id"})
 
-# Credential shapes, found in any text: provider keys, bearer tokens, OpenAI's browser WebSocket key.
-_SHAPES = re.compile(
-    rb"\b(?:sk|pk|rk)-(?:ant-|proj-|live-|test-|or-v1-)?[A-Za-z0-9_\-]{6,}"
-    rb"|openai-insecure-api-key\.[^\s,;\"']+"
-    rb"|\b(?:Bearer|Basic)\s+(?=[A-Za-z0-9_\-\.=:+/]*[0-9=])[A-Za-z0-9_\-\.=:+/]{12,}"
-    rb"|\bAKIA[0-9A-Z]{16}\b|\bAIza[0-9A-Za-z_\-]{30,}|\bgh[pousr]_[A-Za-z0-9]{20,}|\bxox[abprs]-[A-Za-z0-9\-]{10,}"
-    rb"|\bhf_[A-Za-z0-9]{20,}"
-)
-# "name": "value" pairs in JSON text whose name is a secret's.
-_JSON_PAIR = re.compile(rb'("([A-Za-z0-9_\-]{1,64})"\s*:\s*")((?:[^"\\]|\\.)*)(")')
-# name=value in URL queries and form bodies.
-_QUERY_PAIR = re.compile(rb"([?&;]([A-Za-z0-9_\-]{1,64})=)([^&#\s\"']*)")
+# Credential forms, each its own pattern: one led by a literal is a fast scan, an alternation of
+# all of them would be slow (a per-byte try of every branch).
+_PAIRS = [
+    # "name": "value" in JSON, name=value in queries and forms; the name decides
+    re.compile(rb'(?P<pre>"(?P<name>' + _SECRET_NAME.encode() + rb')"\s*:\s*")(?P<value>(?:[^"\\]|\\.)*)(?P<post>")', re.I),
+    re.compile(rb"(?P<pre>[?&;](?P<name>" + _SECRET_NAME.encode() + rb")=)(?P<value>[^&#\s\"']*)(?P<post>)", re.I),
+]
+_SHAPES = [re.compile(p) for p in (
+    rb"sk-(?:ant-|proj-|live-|test-|or-v1-)?[A-Za-z0-9_\-]{6,}", rb"pk-(?:live-|test-)?[A-Za-z0-9_\-]{6,}",
+    rb"rk-(?:live-|test-)?[A-Za-z0-9_\-]{6,}", rb"openai-insecure-api-key\.[^\s,;\"']+",
+    rb"Bearer\s+(?=[A-Za-z0-9_\-\.=:+/]*[0-9=])[A-Za-z0-9_\-\.=:+/]{12,}",
+    rb"Basic\s+(?=[A-Za-z0-9_\-\.=:+/]*[0-9=])[A-Za-z0-9_\-\.=:+/]{12,}",
+    rb"AKIA[0-9A-Z]{16}", rb"AIza[0-9A-Za-z_\-]{30,}", rb"gh[pousr]_[A-Za-z0-9]{20,}", rb"xox[abprs]-[A-Za-z0-9\-]{10,}",
+    rb"hf_[A-Za-z0-9]{20,}",
+)]
+_WORD = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
+WINDOW = 1 << 18  # large bodies are scanned a window (a few ms) at a time, letting other threads run between
 
 
 def _is_secret_name(name: str) -> bool:
@@ -47,19 +54,50 @@ def _is_secret_name(name: str) -> bool:
 
 
 def _pair(match: re.Match) -> bytes:
-    name = match.group(2).decode("ascii", "replace")
-    if not _is_secret_name(name) or match.group(3) == REDACTED.encode():
+    if match.group("name").decode().lower() in NOT_SECRET or match.group("value") in (b"", REDACTED.encode()):
         return match.group(0)
-    return match.group(1) + REDACTED.encode() + (match.group(4) if match.lastindex >= 4 else b"")
+    return match.group("pre") + REDACTED.encode() + match.group("post")
 
 
-def redact_bytes(data: bytes | None) -> bytes | None:
-    """Raw bytes (a body, a frame) with credentials replaced."""
+def _redact_window(data: bytes) -> bytes:
+    for pattern in _PAIRS:
+        data = pattern.sub(_pair, data)
+    for pattern in _SHAPES:
+        if pattern.search(data) is None:
+            continue
+
+        def shape(match: re.Match, data=data) -> bytes:
+            start = match.start()
+            if start and data[start - 1] in _WORD:  # inside a longer word ("task-force"): not a key
+                return match.group(0)
+            return REDACTED.encode()
+
+        data = pattern.sub(shape, data)
+    return data
+
+
+def redact_bytes(data: bytes | bytearray | None) -> bytes | None:
+    """Raw bytes (a body, a frame) with credentials replaced.
+
+    A large body is done in windows cut at line or JSON string boundaries (a secret spanning a
+    cut is not expected: keys are short), with a pause for other threads between windows, so a
+    50 MB body never holds the proxy's GIL in one piece.
+    """
     if not data:
-        return data
-    data = _JSON_PAIR.sub(_pair, data)
-    data = _QUERY_PAIR.sub(_pair, data)
-    return _SHAPES.sub(REDACTED.encode(), data)
+        return bytes(data) if data is not None else None
+    data = bytes(data)
+    if len(data) <= WINDOW:
+        return _redact_window(data)
+    out, start = [], 0
+    while start < len(data):
+        end = min(len(data), start + WINDOW)
+        if end < len(data):  # cut after a comma or newline, never inside a short token
+            cut = max(data.rfind(b",", start, end), data.rfind(b"\n", start, end))
+            end = cut + 1 if cut > start else end
+        out.append(_redact_window(data[start:end]))
+        start = end
+        time.sleep(0)
+    return b"".join(out)
 
 
 def redact_text(text: str | None) -> str | None:

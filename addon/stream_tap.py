@@ -1,8 +1,9 @@
-"""The callable mitmproxy calls with each chunk of a streamed response.
+"""The callable mitmproxy calls with each chunk of a streamed response, and the reassembly of
+what it kept.
 
 It passes bytes on as they arrive (the agent sees the first event before the upstream sends
-the last), feeds a decoded copy to the protocol's assembler, and, when the engine was asked for
-extra fields, rewrites whole events to take them out again.
+the last) and, when the engine was asked for extra fields, rewrites whole events to take them
+out again. The copy it keeps is reassembled later, off the event loop, by ``assemble``.
 
 mitmproxy sends whatever the callable returns; an empty ``bytes`` at the wrong moment ends an
 HTTP/1 body early. So the tap always returns a *list* of chunks: empty while a rewritten event
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 import zlib
+from dataclasses import dataclass
 from typing import Callable
 
 from .sse import Event, SSEDecoder
@@ -58,26 +60,32 @@ class _ZstdFrames:
 
 
 class StreamTap:
-    """``rewrite`` (payload -> changed?) is applied to events whose data contains one of ``markers``."""
+    """On the event loop: pass chunks on and keep the upstream's bytes, with when each arrived.
 
-    def __init__(self, assembler, *, rewrite: Callable[[dict], bool] | None = None,
-                 markers: tuple[str, ...] = (), content_encoding: str | None = None):
-        self.assembler = assembler
+    Passing through (the usual case) costs an append per chunk; nothing is parsed. Only when
+    ``rewrite`` is set (engine fields to take out) are events decoded, and only those whose data
+    contains one of ``markers`` are parsed and re-serialised. Reassembling the completion is the
+    writer's job (``assemble``), off the loop.
+    """
+
+    def __init__(self, *, rewrite: Callable[[dict], bool] | None = None, markers: tuple[str, ...] = (),
+                 content_encoding: str | None = None):
         self.rewrite = rewrite
         self.markers = markers
+        self.content_encoding = content_encoding
         self.decoder = SSEDecoder()
         self.raw = bytearray()
+        self.marks: list[tuple[int, float]] = []  # (bytes received so far, time) per chunk
         self.notes: list[str] = []
-        self.first_output_at: float | None = None
         self.ended = False
-        self.decoding = True  # False once the copy could not be decoded: bytes still pass
-        try:
-            self.decompress = decompressor(content_encoding)
-        except ValueError as exc:
-            self.decompress = None
-            self.decoding = False
-            self.notes.append(str(exc))
-            self.rewrite = None  # undecodable bytes are passed on as they are, with their encoding
+        self.decompress = None
+        if rewrite is not None:
+            try:
+                self.decompress = decompressor(content_encoding)
+            except ValueError as exc:
+                self.notes.append(f"{exc}; engine fields were left in the stream")
+                self.rewrite = None  # undecodable bytes are passed on as they are, with their encoding
+        self.decoding = True
 
     @property
     def rewriting(self) -> bool:
@@ -85,46 +93,28 @@ class StreamTap:
         return self.rewrite is not None
 
     def __call__(self, chunk: bytes) -> list[bytes]:
-        self.raw += chunk
-        if not chunk:
+        if chunk:
+            self.raw += chunk
+            self.marks.append((len(self.raw), time.time()))
+        else:
             self.ended = True
         if not self.rewriting:
-            if self.decoding:
-                self._decode(chunk)
             return [chunk] if chunk else []
-        events = self._decode(chunk)
-        if events is None:  # the upstream's compressed bytes are broken: nothing plain can follow
-            return []
-        out = b"".join(self._feed(event) for event in events)
-        return [out] if out else []
-
-    def _decode(self, chunk: bytes) -> list[Event] | None:
+        if not self.decoding:
+            return []  # the upstream's compressed bytes are broken: nothing plain can follow
         try:
             data = self.decompress(chunk) if (self.decompress and chunk) else chunk
         except Exception as exc:
             self.notes.append(f"stream could not be decompressed: {exc}")
             self.decoding = False
-            return None
-        if not self.decoding:
-            return None
+            return []
         events = self.decoder.push(data) if chunk else self.decoder.flush()
-        if not self.rewriting:
-            for event in events:
-                self._feed(event)
-        return events
+        out = b"".join(self._rewrite(event) for event in events)
+        return [out] if out else []
 
-    def _feed(self, event: Event) -> bytes:
-        """Give one event to the assembler; the bytes the agent gets for it."""
-        if not event.data:
-            return event.raw
-        try:
-            self.assembler.feed(event.event, event.data)
-        except Exception as exc:
-            self.notes.append(f"unparsed stream event {event.data[:200]!r}: {exc}")
-            return event.raw
-        if self.first_output_at is None and self.assembler.output_started:
-            self.first_output_at = time.time()
-        if self.rewrite is None or not any(m in event.data for m in self.markers):
+    def _rewrite(self, event: Event) -> bytes:
+        """The bytes the agent gets for one event."""
+        if not event.data or not any(m in event.data for m in self.markers):
             return event.raw
         try:
             payload = json.loads(event.data)
@@ -137,18 +127,56 @@ class StreamTap:
         prefix = f"event: {event.event}\n".encode() if event.event else b""
         return prefix + b"data: " + body + b"\n\n"
 
-    @property
-    def terminal(self) -> bool:
-        """The protocol's last event arrived: the completion is whole even if the connection is cut now."""
-        return bool(getattr(self.assembler, "terminal", False))
 
-    def finish(self):
-        if not self.ended and self.decoding and self.decoder.buffer:
-            for event in self.decoder.flush():
-                self._feed(event)
-        completion = self.assembler.finish()
-        if self.notes:
-            completion.notes = completion.notes + self.notes
-            if completion.status == "ok":
-                completion.status, completion.error = "error", "; ".join(self.notes)
-        return completion
+@dataclass
+class Assembled:
+    completion: object  # protocols.Completion
+    first_output_at: float | None
+    terminal: bool
+
+
+def assemble(assembler, raw: bytes, marks: list, content_encoding: str | None) -> Assembled:
+    """Off the loop: rebuild the completion from the upstream's bytes, chunk by chunk as they came,
+    so the time of the first output event is known. Never raises."""
+    notes: list[str] = []
+    try:
+        decompress = decompressor(content_encoding)
+    except ValueError as exc:
+        decompress, notes = None, [str(exc)]
+        marks = []  # nothing can be decoded
+    decoder, first_output_at, start = SSEDecoder(), None, 0
+    bounds = list(marks) if marks else ([(len(raw), None)] if raw and not notes else [])
+    try:
+        for end, at in bounds:
+            data = raw[start:end]
+            start = end
+            if decompress:
+                data = decompress(data)
+            for event in decoder.push(data):
+                _feed(assembler, event, notes)
+            if first_output_at is None and assembler.output_started:
+                first_output_at = at
+        for event in decoder.flush():
+            _feed(assembler, event, notes)
+    except Exception as exc:
+        notes.append(f"stream decoding failed: {exc}")
+    try:
+        completion = assembler.finish()
+    except Exception as exc:
+        from .protocols import Completion
+
+        completion = Completion(status="error", error=f"stream could not be reassembled: {exc}")
+    if notes:
+        completion.notes = list(completion.notes) + notes
+        if completion.status == "ok":
+            completion.status, completion.error = "error", "; ".join(notes)
+    return Assembled(completion, first_output_at, bool(getattr(assembler, "terminal", False)))
+
+
+def _feed(assembler, event: Event, notes: list[str]) -> None:
+    if not event.data:
+        return
+    try:
+        assembler.feed(event.event, event.data)
+    except Exception as exc:
+        notes.append(f"unparsed stream event {event.data[:200]!r}: {exc}")

@@ -62,6 +62,7 @@ class Store:
         self.readonly = readonly
         self.db, self.schema_version = open_database(self.path, readonly=readonly)
         self._cache = _LRU(cache_size)
+        self._batch: list | None = None
         self._data_version = self.db.conn.execute("PRAGMA data_version").fetchone()[0]
 
     def close(self) -> None:
@@ -85,8 +86,12 @@ class Store:
         return row[0] if row else default
 
     def set_state(self, key: str, value: str | None) -> None:
+        """None removes the key."""
         with self.write() as conn:
-            conn.execute("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)", [key, value])
+            if value is None:
+                conn.execute("DELETE FROM state WHERE key = ?", [key])
+            else:
+                conn.execute("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)", [key, value])
 
     def policy_version(self) -> str | None:
         return self.get_state("policy_version")
@@ -166,12 +171,37 @@ class Store:
         for rec in records:
             if rec.status not in STATUSES:
                 raise StoreError(f"status must be one of {', '.join(STATUSES)}, not {rec.status!r}")
+        if self._batch is not None:  # inside a batch: one savepoint, so a failure undoes only this call
+            conn = self.db.conn
+            conn.execute("SAVEPOINT record_steps")
+            cached: list = []
+            try:
+                ids = [self._insert_step(conn, rec, cached) for rec in records]
+            except BaseException:
+                conn.execute("ROLLBACK TO record_steps")
+                conn.execute("RELEASE record_steps")
+                raise
+            conn.execute("RELEASE record_steps")
+            self._batch.extend(cached)
+            return ids
         cached = []
         with self.write() as conn:
             ids = [self._insert_step(conn, rec, cached) for rec in records]
         for key, value in cached:
             self._cache.put(key, value)
         return ids
+
+    @contextmanager
+    def batch(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction around many ``record_steps`` calls (the writer commits in batches)."""
+        self._batch = []
+        try:
+            with self.write() as conn:
+                yield conn
+            for key, value in self._batch:
+                self._cache.put(key, value)
+        finally:
+            self._batch = None
 
     def _insert_step(self, conn: sqlite3.Connection, rec: StepRecord, cached: list) -> str:
         notes = check_record(rec)  # odd values an agent or engine sent become notes, never a failed write

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from stepmill.addon import recording
 from stepmill.addon.protocols import anthropic_messages, openai_chat, openai_responses
 from stepmill.addon.recording import Call
-from stepmill.addon.stream_tap import StreamTap
+from stepmill.addon.stream_tap import StreamTap, assemble
 from stepmill.store import Store
 
 CHAT_REQUEST = {"model": "qwen", "temperature": 0.2, "tools": [{"type": "function", "function": {
@@ -135,10 +135,10 @@ def test_mutated_stream_events_never_raise(store, data, case):
     module, api, _, response = case
     events = [data.draw(mutated(response)) for _ in range(data.draw(st.integers(1, 4)))]
     body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
-    tap = StreamTap(module.StreamAssembler(api))
+    tap = StreamTap()
     assert tap(body) == [body]
     tap(b"")
-    completion = tap.finish()
+    completion = assemble(module.StreamAssembler(api), bytes(tap.raw), tap.marks, None).completion
     layer = recording.record_call(store, Call(api=api, host="h", path="/p"), None, None, completion, [], [],
                                   transport="sse", started=time.time(), ended=time.time(), ttft_ms=None,
                                   http_status=200, policy_version=None, keep_raw=False, raw_request=b"{}",

@@ -53,10 +53,15 @@ def test_no_secret_reaches_the_database(tmp_path, upstream, marker):
         assert kept, "identifying headers are still kept"
         store.db.conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
         store.close()
+        segments = list((tmp_path / "steps.db.journal").rglob("*.seg"))
+        assert segments, "every call went through the journal"
+        journal = b"".join(p.read_bytes() for p in segments)
+        assert secret("").encode() not in journal, "a secret was written to the journal"
     finally:
         stop_proxy(own)
-    files = [p for p in tmp_path.iterdir() if p.name.startswith("steps.db")] + [own.log]
-    everything = b"".join(p.read_bytes() for p in files)
+    # the database, its WAL, the journal the proxy appends every call to (read while it ran), the log
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and "mitm" not in p.parts]
+    everything = journal + b"".join(p.read_bytes() for p in files)
     assert f"one {marker}".encode() in everything and f"four {marker}".encode() in everything  # the scan reads data
     for path in files:
         data = path.read_bytes()

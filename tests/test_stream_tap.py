@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from stepmill.addon import engine
 from stepmill.addon.protocols import anthropic_messages, openai_chat, openai_responses
 from stepmill.addon.sse import SSEDecoder
-from stepmill.addon.stream_tap import StreamTap
+from stepmill.addon.stream_tap import StreamTap, assemble
 
 try:
     from compression.zstd import compress as zstd_compress
@@ -69,8 +69,12 @@ def received_events(body):
 
 
 def rewriting_tap(encoding=None):
-    return StreamTap(openai_chat.StreamAssembler(), rewrite=lambda p: engine.strip(p, ADDED),
-                     markers=engine.MARKERS, content_encoding=encoding)
+    return StreamTap(rewrite=lambda p: engine.strip(p, ADDED), markers=engine.MARKERS, content_encoding=encoding)
+
+
+def reassembled(tap, module=openai_chat):
+    """What the writer makes of what the tap kept (the upstream's bytes, as they came)."""
+    return assemble(module.StreamAssembler(), bytes(tap.raw), tap.marks, tap.content_encoding)
 
 
 def cuts(data, points):
@@ -88,7 +92,7 @@ def test_every_single_split_point_of_a_rewritten_stream():
         out = run(tap, [body[:cut], body[cut:]])
         got = received_events(out)
         assert [json.loads(g) if g != "[DONE]" else g for g in got] == [json.loads(w) if w != "[DONE]" else w for w in want]
-        completion = tap.finish()
+        completion = reassembled(tap).completion
         assert completion.status == "ok" and completion.message["content"] == "Hello there"
         assert completion.prompt_ids == [1, 2, 3]
 
@@ -102,16 +106,17 @@ def test_random_chunking_and_encodings(points, encoding, rewrite, crlf):
     plain = sse(events, sep=b"\r\n\r\n" if crlf else b"\n\n")
     body = {None: lambda b: b, "gzip": gzip.compress, "deflate": zlib.compress, "br": brotli.compress,
             "zstd": zstd_compress}[encoding](plain)
-    tap = rewriting_tap(encoding) if rewrite else StreamTap(openai_chat.StreamAssembler(), content_encoding=encoding)
+    tap = rewriting_tap(encoding) if rewrite else StreamTap(content_encoding=encoding)
     out = run(tap, cuts(body, points))
     if rewrite:  # decoded, engine fields gone, every event there
         assert b"token_ids" not in out and b"prompt_token_ids" not in out
         assert len(received_events(out)) == len(events) + 1
     else:  # untouched
         assert out == body
-    completion = tap.finish()
-    assert completion.status == "ok" and completion.message["content"] == "Hello there"
-    assert completion.response_ids == [100, 101, 102]
+    result = reassembled(tap)
+    assert result.completion.status == "ok" and result.completion.message["content"] == "Hello there"
+    assert result.completion.response_ids == [100, 101, 102] and result.terminal
+    assert result.first_output_at is not None
 
 
 def test_a_huge_first_event_in_small_chunks():
@@ -121,7 +126,7 @@ def test_a_huge_first_event_in_small_chunks():
     tap = rewriting_tap()
     out = run(tap, [body[i:i + 1024] for i in range(0, len(body), 1024)])
     assert len(received_events(out)) == len(events) + 1 and b"prompt_token_ids" not in out
-    assert len(tap.finish().prompt_ids) == 60003
+    assert len(reassembled(tap).completion.prompt_ids) == 60003
 
 
 def test_linear_time_for_one_large_event():
@@ -144,13 +149,12 @@ def test_broken_compressed_stream_never_sends_compressed_bytes_as_plain():
     tap = rewriting_tap("gzip")
     out = run(tap, cuts(broken, [10, 40, 80]))
     assert b"\x1f\x8b" not in out  # the gzip magic never reaches an agent told the body is plain
-    completion = tap.finish()
-    assert completion.status != "ok" and any("decompress" in n for n in completion.notes)
+    assert any("decompress" in n for n in tap.notes)
+    assert reassembled(tap).completion.status != "ok"
 
 
 def test_unknown_encoding_passes_bytes_through_untouched():
-    tap = StreamTap(openai_chat.StreamAssembler(), rewrite=lambda p: engine.strip(p, ADDED), markers=engine.MARKERS,
-                    content_encoding="compress")
+    tap = StreamTap(rewrite=lambda p: engine.strip(p, ADDED), markers=engine.MARKERS, content_encoding="compress")
     assert not tap.rewriting  # so the caller keeps the Content-Encoding header
     body = b"opaque bytes \x00\x01"
     assert run(tap, [body[:5], body[5:]]) == body
@@ -164,20 +168,20 @@ def test_unknown_encoding_passes_bytes_through_untouched():
 ])
 def test_terminal_event_is_seen(module, events):
     body = b"".join(f"event: {n}\ndata: {json.dumps(d)}\n\n".encode() for n, d in events)
-    tap = StreamTap(module.StreamAssembler())
-    assert not tap.terminal
-    run(tap, [body])
-    assert tap.terminal
+    tap = StreamTap()
+    run(tap, [body[:-3]])
+    assert not reassembled(tap, module).terminal
+    run(tap, [body[-3:]])
+    assert reassembled(tap, module).terminal
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=400), st.lists(st.integers(min_value=0, max_value=400), max_size=10))
 def test_arbitrary_bytes_never_raise_and_always_pass(body, points):
+    tap = StreamTap()
+    assert run(tap, cuts(body, points)) == body
+    rewriting = rewriting_tap()
+    run(rewriting, cuts(body, points))
     for module in (openai_chat, anthropic_messages, openai_responses):
-        tap = StreamTap(module.StreamAssembler())
-        assert run(tap, cuts(body, points)) == body
-        tap.finish()
-        rewriting = StreamTap(module.StreamAssembler(), rewrite=lambda p: engine.strip(p, ADDED),
-                              markers=engine.MARKERS)
-        run(rewriting, cuts(body, points))
-        rewriting.finish()
+        reassembled(tap, module)
+        reassembled(rewriting, module)

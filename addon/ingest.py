@@ -1,0 +1,199 @@
+"""Off the event loop: a finished exchange, as the proxy kept it, becomes step records.
+
+The proxy hands over bytes and a few facts (who, when, which tags); everything else happens
+here, in the writer: decoding bodies, parsing each protocol, reassembling streams and
+WebSocket turns, resolving Responses chains, and the write with its fallbacks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+
+from mitmproxy.net import encoding
+
+from stepmill.store.db import Store
+
+from . import recording, tagging
+from .protocols import ROUTES, Completion, ParsedRequest, ProtocolError, openai_responses
+from .protocols.base import load_json_object
+from .recording import Call
+from .stream_tap import assemble
+
+MODULES = {api: module for _, api, module in ROUTES}
+# A Responses WebSocket frame that ends a turn: found on the loop without parsing the frame.
+TERMINAL_FRAME = re.compile(rb'"type"\s*:\s*"(?:response\.(?:completed|failed|incomplete)|error)"')
+CREATE_FRAME = re.compile(rb'^\s*\{.{0,200}?"type"\s*:\s*"response\.create"', re.S)
+
+
+def call_header(call: Call) -> dict:
+    return {"api": call.api, "host": call.host, "path": call.path,
+            "tags": [call.tags.trajectory_id, call.tags.group_id, call.tags.channel],
+            "session_id": call.session_id, "headers": call.headers, "client_conn": call.client_conn,
+            "default_channel": call.default_channel}
+
+
+def call_from(header: dict) -> Call:
+    tags = header.get("tags") or [None, None, None]
+    return Call(api=header["api"], host=header.get("host") or "", path=header.get("path") or "",
+                tags=tagging.Tags(*tags), session_id=header.get("session_id"), headers=header.get("headers"),
+                client_conn=header.get("client_conn"), default_channel=header.get("default_channel"))
+
+
+def decoded(raw: bytes, content_encoding: str | None) -> tuple[bytes, str | None]:
+    if not content_encoding or content_encoding.strip().lower() == "identity":
+        return raw, None
+    try:
+        return encoding.decode(raw, content_encoding.strip().lower()), None
+    except Exception as exc:
+        return raw, f"body could not be decoded ({content_encoding}): {exc}"
+
+
+class Ingest:
+    def __init__(self, store: Store):
+        self.store = store
+        # Responses that primed a WebSocket (generate: false) are no steps, but later turns chain to them.
+        self.warmups: OrderedDict[str, tuple[list, list]] = OrderedDict()
+
+    def handle(self, header: dict, blobs: list[bytes]) -> str:
+        """Record one finished exchange. Never raises but for the store's environment (locked, full)."""
+        kind = header.get("kind")
+        call = call_from(header)
+        try:
+            if kind == "websocket":
+                return self._turn(call, header, blobs)
+            if kind == "failure":
+                return recording.save_bare(self.store, call.api, header.get("error") or "stepmill failed",
+                                           started=header.get("started") or 0, transport="http",
+                                           raw_request=blobs[0], raw_response=blobs[1] if len(blobs) > 1 else None)
+            return self._http(call, header, blobs)
+        except recording.EnvironmentFailure:
+            raise
+        except Exception as exc:
+            return recording.save_bare(self.store, call.api, f"stepmill could not read this call: "
+                                       f"{type(exc).__name__}: {exc}", started=header.get("started") or 0,
+                                       transport=kind or "http", raw_request=blobs[0] if blobs else None,
+                                       raw_response=blobs[1] if len(blobs) > 1 else None)
+
+    # -- HTTP and SSE -----------------------------------------------------------------------
+    def _http(self, call: Call, header: dict, blobs: list[bytes]) -> str:
+        module = MODULES[call.api]
+        raw_request, raw_response = blobs[0], blobs[1] if len(blobs) > 1 else b""
+        request_body, problem = decoded(raw_request, header.get("request_encoding"))
+        request, parse_error = None, problem
+        if header.get("websocket_upgrade"):
+            parse_error = None  # a refused upgrade: the GET has no body to parse
+        elif not problem:
+            request, _, parse_error = recording.parse_request(module, call.api, request_body)
+        notes = list(header.get("notes") or [])
+        error = header.get("error")
+        ttft = None
+        if header.get("kind") == "sse":
+            result = assemble(module.StreamAssembler(call.api), raw_response, header.get("marks") or [],
+                              header.get("response_encoding"))
+            completion = result.completion
+            if error and not result.terminal:
+                # Clients close (or reset an HTTP/2 stream) right after the last event: only a stream
+                # cut before its terminal event is incomplete.
+                completion.status = "incomplete"
+                completion.error = f"{error} (stream cut after {len(raw_response)} bytes)"
+            if result.first_output_at:
+                ttft = (result.first_output_at - header["started"]) * 1000
+            transport = "sse"
+        else:
+            transport = "http"
+            if header.get("response_started"):
+                ttft = (header["response_started"] - header["started"]) * 1000
+            body, problem = decoded(raw_response, header.get("response_encoding"))
+            status = header.get("http_status")
+            if error and status is None:
+                completion = Completion(status="error", error=error)
+            elif status is not None and status >= 400:
+                completion = Completion(status="error", error=f"upstream answered {status}: "
+                                        f"{body[:2000].decode('utf-8', 'replace')}")
+            elif problem:
+                completion = Completion(status="error", error=problem)
+            else:
+                try:
+                    payload = load_json_object(body, "response body")
+                except ProtocolError as exc:
+                    completion = Completion(status="error", error=str(exc))
+                else:
+                    completion = recording.parse_response(module, call.api, payload)
+            if error and status is not None and completion.status == "ok":
+                completion.status, completion.error = "incomplete", error
+        completion.notes = list(completion.notes) + notes
+        messages, wire = self.resolve_chain(request) if request is not None else ([], [])
+        return recording.record_call(
+            self.store, call, request, parse_error, completion, messages, wire, transport=transport,
+            started=header["started"], ended=header.get("ended") or header["started"], ttft_ms=ttft,
+            http_status=header.get("http_status"), policy_version=header.get("policy_version"),
+            keep_raw=bool(header.get("keep_raw")), raw_request=raw_request, raw_response=raw_response)
+
+    # -- WebSocket turns ------------------------------------------------------------------------
+    def _turn(self, call: Call, header: dict, blobs: list[bytes]) -> str:
+        frames = header.get("frames") or []  # [time, blob index] of the server frames; blob 0 is the request
+        raw_request = blobs[0]
+        request, parse_error = None, None
+        try:
+            payload = load_json_object(raw_request, "response.create frame")
+            request = openai_responses.parse_request(payload)
+        except Exception as exc:
+            parse_error = f"response.create does not have the Responses shape: {type(exc).__name__}: {exc}"
+        assembler = openai_responses.StreamAssembler()
+        first_output_at = None
+        for at, index in frames:
+            try:
+                assembler.feed(None, blobs[index].decode("utf-8", "replace"))
+            except Exception as exc:
+                assembler.notes.append(f"unparsed frame {blobs[index][:200]!r}: {exc}")
+            if first_output_at is None and assembler.output_started:
+                first_output_at = at
+        completion = assembler.finish()
+        cut = header.get("cut")
+        if cut and completion.status == "ok":
+            completion.status, completion.error = "incomplete", cut
+        elif cut:
+            completion.error = f"{completion.error}; {cut}" if completion.error else cut
+        if request is not None and not request.generate:
+            if completion.response_id:
+                messages, wire = self.resolve_chain(request)
+                self.warmups[completion.response_id] = (messages, wire + list(completion.wire))
+                while len(self.warmups) > 1024:
+                    self.warmups.popitem(last=False)
+            return "warmup"
+        messages, wire = self.resolve_chain(request) if request is not None else ([], [])
+        ttft = (first_output_at - header["started"]) * 1000 if first_output_at else None
+        return recording.record_call(
+            self.store, call, request, parse_error, completion, messages, wire, transport="websocket",
+            started=header["started"], ended=header.get("ended") or header["started"], ttft_ms=ttft, http_status=101,
+            policy_version=header.get("policy_version"), keep_raw=bool(header.get("keep_raw")),
+            raw_request=raw_request, raw_response=b"\n".join(blobs[i] for _, i in frames))
+
+    def resolve_chain(self, request: ParsedRequest) -> tuple[list, list]:
+        """The full conversation of a Responses request that names its previous response."""
+        if not request.previous_response_id:
+            return request.messages, request.wire_messages
+        base = self.warmups.get(request.previous_response_id)
+        if base is None:
+            rows = self.store.query("SELECT id FROM steps WHERE response_id = ? ORDER BY rowid DESC LIMIT 1",
+                                    [request.previous_response_id])
+            base = self.store.continuation(rows[0]["id"]) if rows else None
+        if base is None:
+            return request.messages, request.wire_messages
+        base_messages, base_wire = base
+        system = [m for m in request.messages[:1] if m.get("role") == "system"]
+        history = base_messages[1:] if base_messages and base_messages[0].get("role") == "system" else base_messages
+        return system + list(history) + request.messages[len(system):], list(base_wire) + list(request.wire_messages)
+
+
+def is_create_frame(content: bytes) -> bool:
+    return bool(CREATE_FRAME.match(content))
+
+
+def is_terminal_frame(content: bytes) -> bool:
+    return bool(TERMINAL_FRAME.search(content))
+
+
+__all__ = ["Ingest", "call_header", "is_create_frame", "is_terminal_frame", "json"]

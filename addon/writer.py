@@ -1,0 +1,263 @@
+"""The writer: finished calls go from the event loop to the journal, and from the journal to SQLite.
+
+    event loop ──submit()──▶ Handoff thread ──append──▶ journal ──▶ Writer ──batch──▶ SQLite
+      (bytes only)             (one write() per call)     (on disk)   (thread, or its own process)
+
+The event loop only hands over references to bytes it already has. The handoff thread
+appends each call to the journal (secrets redacted first), which survives a kill -9 of the
+proxy. The writer parses,
+links and writes in batches, one transaction each, recording how far in the journal it got in
+that same transaction; it checkpoints the WAL itself. A locked database or a full disk only
+makes the journal grow; the calls are committed when the file takes writes again, or by the
+next writer that starts. Run as a process (``python -m stepmill.addon.writer``), the writer
+gets a core of its own and its parsing never holds the proxy's GIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import select
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from stepmill.store.db import Store
+from stepmill.store.journal import Journal, Position, decode_entry, encode_entry, state_key
+
+from .ingest import Ingest
+from .recording import EnvironmentFailure
+from .secrets import redact_bytes
+
+log = logging.getLogger("stepmill")
+
+BATCH_BYTES = 8 * 1024 * 1024  # journal bytes per transaction at most
+BATCH_WAIT = 0.05  # seconds the writer waits for more calls before committing what it has
+RETRY_WAIT = 0.5  # after a locked database or a full disk
+MEMORY_LIMIT = 256 * 1024 * 1024  # calls waiting for the journal (a full disk) at most, in bytes
+
+
+class Handoff:
+    """In the proxy: takes finished calls from the event loop and appends them to the journal."""
+
+    def __init__(self, journal: Journal, notify, memory_limit: int = MEMORY_LIMIT):
+        self.journal = journal
+        self.notify = notify  # called after appends: wakes the writer
+        self.memory_limit = memory_limit
+        self.queue: collections.deque = collections.deque()
+        self.memory = 0
+        self.dropped = 0
+        self.appended = 0
+        self.failing: str | None = None  # why the journal does not take appends now
+        self._wake = threading.Event()
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="stepmill-handoff", daemon=True)
+        self.thread.start()
+
+    def submit(self, header: dict, blobs: list[bytes]) -> None:
+        """On the event loop: O(1), no I/O."""
+        size = sum(len(b) for b in blobs)
+        if self.memory + size > self.memory_limit:
+            self.dropped += 1  # the journal has refused appends for long: memory is the last bound
+            return
+        self.memory += size
+        self.queue.append((header, blobs, size))
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(RETRY_WAIT if self.failing else None)
+            self._wake.clear()
+            wrote = False
+            while self.queue:
+                header, blobs, size = self.queue[0]
+                try:
+                    # Secrets never reach the disk, the journal included (a few ms per MB, off the loop).
+                    self.journal.append(encode_entry(header, [redact_bytes(blob) for blob in blobs]))
+                except OSError as exc:
+                    if self.failing is None:
+                        log.warning(f"stepmill: the journal takes no appends ({exc}); calls wait in memory")
+                    self.failing = str(exc)
+                    break
+                if self.failing is not None:
+                    log.warning("stepmill: the journal takes appends again")
+                    self.failing = None
+                self.queue.popleft()
+                self.memory -= size
+                self.appended += 1
+                wrote = True
+            if wrote:
+                self.notify()
+            if self._stop and not self.queue:
+                return
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self.thread.join(timeout)
+
+    def status(self) -> dict:
+        return {"in_memory": len(self.queue), "in_memory_bytes": self.memory, "dropped": self.dropped,
+                "journaled": self.appended, "journal_error": self.failing}
+
+
+class Writer:
+    """Commits journal entries to SQLite in batches; replays journals left by writers that died."""
+
+    def __init__(self, db_path: str, journal_folder: Path):
+        self.db_path = db_path
+        self.journal = Journal(journal_folder)
+        self._wake = threading.Event()
+        self._stop = False
+        self.committed = 0
+        self.last_commit: float | None = None
+        self.failing: str | None = None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+
+    def run(self) -> None:
+        store = Store(self.db_path)
+        store.db.conn.execute("PRAGMA wal_autocheckpoint = 0")  # checkpoints happen here, between batches
+        ingest = Ingest(store)
+        orphans = [j for j in Journal.orphans(self.db_path) if j.folder != self.journal.folder]
+        for orphan in orphans:
+            log.info(f"stepmill: replaying the journal {orphan.folder} left by a writer that stopped")
+            while self._drain(store, ingest, orphan):
+                pass
+            if not orphan.backlog(self._position(store, orphan)):
+                store.set_state(state_key(orphan.id), None)
+                orphan.remove()
+        while True:
+            self._wake.wait(None if not self.failing else RETRY_WAIT)
+            self._wake.clear()
+            stopping = self._stop
+            time.sleep(BATCH_WAIT if not stopping else 0)  # let a burst of calls share one transaction
+            while self._drain(store, ingest, self.journal):
+                pass
+            if stopping and not self.failing:
+                break
+        self._checkpoint(store, "TRUNCATE")
+        store.close()
+
+    @staticmethod
+    def _position(store: Store, journal: Journal) -> Position:
+        return Position.parse(store.get_state(state_key(journal.id)))
+
+    def _drain(self, store: Store, ingest: Ingest, journal: Journal) -> bool:
+        """One batch; True if there may be more."""
+        try:
+            position = self._position(store, journal)
+            entries = list(journal.read(position, BATCH_BYTES))
+            if not entries:
+                return False
+            with store.batch() as conn:
+                for end, payload in entries:
+                    header, blobs = decode_entry(payload)
+                    ingest.handle(header, blobs)
+                conn.execute("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)",
+                             [state_key(journal.id), str(entries[-1][0])])
+        except (sqlite3.OperationalError, EnvironmentFailure) as exc:
+            if self.failing is None:
+                log.warning(f"stepmill: the database takes no writes now ({exc}); calls stay in the journal")
+            self.failing = str(exc)
+            return False
+        if self.failing is not None:
+            log.warning("stepmill: the database takes writes again")
+            self.failing = None
+        self.committed += len(entries)
+        self.last_commit = time.time()
+        journal.drop_before(entries[-1][0])
+        self._checkpoint(store, "PASSIVE")
+        return True
+
+    @staticmethod
+    def _checkpoint(store: Store, mode: str) -> None:
+        try:
+            store.db.conn.execute(f"PRAGMA wal_checkpoint({mode})")
+        except sqlite3.OperationalError:
+            pass  # a reader holds the WAL; the next batch tries again
+
+
+class ThreadWriter:
+    """The writer in a thread of the proxy process."""
+
+    def __init__(self, db_path: str, journal: Journal):
+        self.writer = Writer(db_path, journal.folder)
+        self.thread = threading.Thread(target=self.writer.run, name="stepmill-writer", daemon=True)
+        self.thread.start()
+
+    def notify(self) -> None:
+        self.writer.wake()
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.writer.stop()
+        self.thread.join(timeout)
+
+
+class ProcessWriter:
+    """The writer in a process of its own: woken through its stdin, which also tells it the proxy is gone."""
+
+    def __init__(self, db_path: str, journal: Journal):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "stepmill.addon.writer", "--db", db_path, "--journal", str(journal.folder)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=None)
+        self._lock = threading.Lock()
+
+    def notify(self) -> None:
+        with self._lock:
+            try:
+                self.process.stdin.write(b"\n")
+                self.process.stdin.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                pass  # the writer is gone; the journal keeps the calls for the next one
+
+    def close(self, timeout: float = 30.0) -> None:
+        try:
+            self.process.stdin.close()  # end of input: drain and exit
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.terminate()
+
+
+def _serve_process(db_path: str, folder: Path) -> None:
+    writer = Writer(db_path, folder)
+    thread = threading.Thread(target=writer.run, name="stepmill-writer", daemon=False)
+    thread.start()
+    stdin = sys.stdin.buffer.raw
+    while True:
+        ready, _, _ = select.select([stdin], [], [], 1.0)
+        if ready:
+            data = os.read(stdin.fileno(), 65536)
+            if not data:
+                break  # the proxy closed the pipe, or died
+        writer.wake()
+    writer.stop()
+    thread.join()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="stepmill's writer: journal → SQLite")
+    parser.add_argument("--db", required=True)
+    parser.add_argument("--journal", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    journal = Journal(Path(args.journal))
+    journal.try_lock(shared=True)  # beside the proxy's own: the journal is no orphan while either lives
+    _serve_process(args.db, Path(args.journal))
+
+
+if __name__ == "__main__":
+    main()

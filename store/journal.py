@@ -1,0 +1,225 @@
+"""The append-only journal between the proxy and the database.
+
+A finished call is appended here (a few system calls, into the OS page cache) before anything
+tries SQLite, so a locked database, a full disk or a kill -9 of the proxy never loses it: the
+writer commits entries to SQLite in batches and records how far it got *in the same
+transaction*, and whatever is past that position is replayed by the next writer.
+
+Layout: ``<db>.journal/<id>/`` per writer, holding ``lock`` (flocked while a writer owns the
+journal) and segments ``00000001.seg``, …. An entry is ``length u32 | crc32 u32 | payload``;
+a torn last entry (the process died mid-append) fails its length or CRC check and is ignored.
+The payload is a small JSON header and raw byte blobs, so appending a 50 MB body costs a
+memory copy, not a serialisation.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import struct
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+_HEAD = struct.Struct("<II")  # length of payload, crc32 of payload
+_U32 = struct.Struct("<I")
+SEGMENT_BYTES = 16 * 1024 * 1024  # a new segment starts after this much
+
+
+def encode_entry(header: dict, blobs: list[bytes]) -> bytes:
+    """header: JSON-able; blobs: raw bytes, referenced from the header by index."""
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8", "surrogatepass")
+    parts = [_U32.pack(len(head)), head, _U32.pack(len(blobs))]
+    for blob in blobs:
+        parts += [_U32.pack(len(blob)), blob]
+    payload = b"".join(parts)
+    return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def decode_entry(payload: bytes | memoryview) -> tuple[dict, list[bytes]]:
+    view = memoryview(payload)
+    (head_len,) = _U32.unpack_from(view, 0)
+    header = json.loads(bytes(view[4:4 + head_len]).decode("utf-8", "surrogatepass"))
+    pos = 4 + head_len
+    (count,) = _U32.unpack_from(view, pos)
+    pos += 4
+    blobs = []
+    for _ in range(count):
+        (size,) = _U32.unpack_from(view, pos)
+        blobs.append(bytes(view[pos + 4: pos + 4 + size]))
+        pos += 4 + size
+    return header, blobs
+
+
+@dataclass(frozen=True, order=True)
+class Position:
+    segment: int
+    offset: int
+
+    def __str__(self) -> str:
+        return f"{self.segment}:{self.offset}"
+
+    @classmethod
+    def parse(cls, text: str | None) -> "Position":
+        if not text:
+            return cls(1, 0)
+        segment, _, offset = text.partition(":")
+        return cls(int(segment), int(offset))
+
+
+def journal_root(db_path: str | os.PathLike) -> Path:
+    return Path(f"{os.fspath(db_path)}.journal")
+
+
+def state_key(journal_id: str) -> str:
+    """Where a journal's committed position lives in the store's ``state`` table."""
+    return f"journal:{journal_id}"
+
+
+class Journal:
+    """One writer's journal: appended by the proxy, read back and committed by the writer."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.id = folder.name
+        self._lock_file = None
+        self._append = None
+        self._segment = 0
+
+    @classmethod
+    def create(cls, db_path) -> "Journal":
+        folder = journal_root(db_path) / uuid.uuid4().hex[:16]
+        folder.mkdir(parents=True, exist_ok=False)
+        journal = cls(folder)
+        if not journal.try_lock(shared=True):
+            raise RuntimeError(f"could not lock the new journal {folder}")
+        return journal
+
+    @classmethod
+    def orphans(cls, db_path) -> list["Journal"]:
+        """Journals whose writer is gone (their lock is free): the next writer replays them."""
+        root = journal_root(db_path)
+        found = []
+        for folder in sorted(root.iterdir()) if root.exists() else []:
+            if not folder.is_dir():
+                continue
+            journal = cls(folder)
+            if journal.try_lock():
+                found.append(journal)
+        return found
+
+    # -- ownership ----------------------------------------------------------------------
+    def try_lock(self, *, shared: bool = False) -> bool:
+        """Owners (the proxy appending, its writer committing) hold the lock shared; a journal whose
+        lock can be taken exclusively has no owner left: it is an orphan to replay."""
+        handle = open(self.folder / "lock", "a+b")
+        try:
+            fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            return False
+        self._lock_file = handle
+        return True
+
+    def release(self) -> None:
+        if self._append is not None:
+            self._append.close()
+            self._append = None
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+
+    def remove(self) -> None:
+        """Delete a fully committed journal (its lock is released last)."""
+        for path in self.segments():
+            path.unlink(missing_ok=True)
+        (self.folder / "lock").unlink(missing_ok=True)
+        self.release()
+        try:
+            self.folder.rmdir()
+        except OSError:
+            pass
+
+    # -- appending ----------------------------------------------------------------------
+    def segments(self) -> list[Path]:
+        return sorted(self.folder.glob("*.seg"))
+
+    def _segment_path(self, number: int) -> Path:
+        return self.folder / f"{number:08d}.seg"
+
+    def append(self, entry: bytes) -> Position:
+        """Append one encoded entry; returns where the next entry starts. OSError when the disk refuses."""
+        if self._append is None:
+            # Each opening starts a new segment: a torn tail left by a crash stays at a segment's end.
+            existing = self.segments()
+            self._segment = int(existing[-1].stem) + 1 if existing else 1
+            self._append = open(self._segment_path(self._segment), "ab", buffering=0)
+        elif self._append.tell() >= SEGMENT_BYTES:
+            self._append.close()
+            self._segment += 1
+            self._append = open(self._segment_path(self._segment), "ab", buffering=0)
+        start = self._append.tell()
+        try:
+            written = self._append.write(entry)
+            if written != len(entry):
+                raise OSError(f"short write to the journal ({written} of {len(entry)} bytes)")
+        except OSError:
+            self._append.truncate(start)  # never leave half an entry before the next one
+            raise
+        return Position(self._segment, self._append.tell())
+
+    # -- reading ------------------------------------------------------------------------
+    def read(self, after: Position, max_bytes: int = 8 * 1024 * 1024) -> Iterator[tuple[Position, bytes]]:
+        """Entries after ``after``, each with the position just past it; stops at a torn or missing tail."""
+        total = 0
+        for path in self.segments():
+            number = int(path.stem)
+            if number < after.segment:
+                continue
+            offset = after.offset if number == after.segment else 0
+            with open(path, "rb") as handle:
+                handle.seek(offset)
+                while True:
+                    head = handle.read(_HEAD.size)
+                    if len(head) < _HEAD.size:
+                        break
+                    length, crc = _HEAD.unpack(head)
+                    payload = handle.read(length)
+                    if len(payload) < length or zlib.crc32(payload) != crc:
+                        break  # torn by a crash mid-append, or still being written
+                    offset += _HEAD.size + length
+                    yield Position(number, offset), payload
+                    total += length
+                    if total >= max_bytes:
+                        return
+
+    def backlog(self, after: Position) -> int:
+        """Bytes appended but not committed."""
+        size = 0
+        for path in self.segments():
+            number = int(path.stem)
+            if number > after.segment:
+                size += path.stat().st_size
+            elif number == after.segment:
+                size += max(0, path.stat().st_size - after.offset)
+        return size
+
+    def drop_before(self, position: Position) -> None:
+        """Segments wholly before the committed position are no longer needed."""
+        for path in self.segments():
+            if int(path.stem) < position.segment and int(path.stem) != self._segment:
+                path.unlink(missing_ok=True)
+
+
+def backlog(db_path, positions: dict[str, str]) -> dict:
+    """What every journal of a database holds beyond its committed position (for `stepmill stats`)."""
+    root = journal_root(db_path)
+    journals, pending = 0, 0
+    for folder in sorted(root.iterdir()) if root.exists() else []:
+        if folder.is_dir():
+            journals += 1
+            pending += Journal(folder).backlog(Position.parse(positions.get(state_key(folder.name))))
+    return {"journals": journals, "uncommitted_bytes": pending}
