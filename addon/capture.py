@@ -213,18 +213,29 @@ class StepmillAddon:
     def client_disconnected(self, client):
         self.connection_tags.pop(client.id, None)
 
-    async def request(self, flow: http.HTTPFlow):
+    def request(self, flow: http.HTTPFlow):
+        """Synchronous for the common case; returns a coroutine (which mitmproxy awaits) only for the
+        control API and for the first call to a host whose engine probe is still to be made."""
         try:
             if flow.response is not None:
-                return  # another addon answered already (mitmproxy's proxyauth: 407)
+                return None  # another addon answered already (mitmproxy's proxyauth: 407)
             if self._is_control(flow):
-                await self._answer_control(flow)
-                return
+                return self._answer_control(flow)
             capture = self._request(flow)
-            if capture is not None and not capture.websocket:
-                await self._maybe_inject(flow, capture)
+            if capture is None or capture.websocket or not ctx.options.stepmill_engine_inject:
+                return None
+            decision = engine.configured(capture.call.host, flow.request.port, capture.call.api,
+                                         ctx.options.stepmill_engine_hosts)
+            if decision is None:
+                key = self._probe_key(flow, capture)
+                decision = self.probe.known(key)
+                if decision is None:
+                    return self._probe_then_inject(flow, capture, key)
+            if decision:
+                self._inject(flow, capture)
         except Exception:
             hook_failed("request")
+        return None
 
     def responseheaders(self, flow: http.HTTPFlow):
         capture: Capture | None = flow.metadata.get("stepmill")
@@ -307,24 +318,28 @@ class StepmillAddon:
         flow.metadata["stepmill"] = capture
         return capture
 
-    async def _maybe_inject(self, flow: http.HTTPFlow, capture: Capture) -> None:
-        if not ctx.options.stepmill_engine_inject:
-            return
+    @staticmethod
+    def _probe_key(flow: http.HTTPFlow, capture: Capture) -> tuple:
         request = flow.request
-        decision = engine.configured(capture.call.host, request.port, capture.call.api,
-                                     ctx.options.stepmill_engine_hosts)
-        if decision is None:
-            bare = request.path.split("?", 1)[0].rstrip("/")
-            root = bare[: -len("/chat/completions")] if bare.endswith("/chat/completions") else bare.rsplit("/", 1)[0]
-            key = (request.scheme, request.host, request.port, capture.call.host, root)
-            decision = self.probe.known(key)
-            if decision is None:
-                auth = {k: v for k, v in request.headers.items() if k.lower() in ENGINE_AUTH_HEADERS}
-                decision = await self.probe.ask(key, request.scheme, (request.host, request.port), request.host_header
-                                                or request.host, root + "/models", auth, self._upstream_ssl())
-        if not decision:
-            return
-        try:  # only requests to engines are parsed on the loop: the fields must be added before bytes move
+        bare = request.path.split("?", 1)[0].rstrip("/")
+        root = bare[: -len("/chat/completions")] if bare.endswith("/chat/completions") else bare.rsplit("/", 1)[0]
+        return request.scheme, request.host, request.port, capture.call.host, root
+
+    async def _probe_then_inject(self, flow: http.HTTPFlow, capture: Capture, key: tuple) -> None:
+        try:
+            request = flow.request
+            auth = {k: v for k, v in request.headers.items() if k.lower() in ENGINE_AUTH_HEADERS}
+            if await self.probe.ask(key, request.scheme, (request.host, request.port),
+                                    request.host_header or request.host, key[-1] + "/models", auth,
+                                    self._upstream_ssl()):
+                self._inject(flow, capture)
+        except Exception:
+            hook_failed("request")
+
+    def _inject(self, flow: http.HTTPFlow, capture: Capture) -> None:
+        """Only requests to engines are parsed on the loop: the fields must be added before bytes move."""
+        request = flow.request
+        try:
             body = json.loads(request.get_content(strict=False) or b"")
         except ValueError:
             return  # the writer records it as the malformed request it is
@@ -439,8 +454,12 @@ class StepmillAddon:
     async def _answer_control(self, flow: http.HTTPFlow):
         """Answered in the control thread: its reads and writes never hold up the loop."""
         request = flow.request
-        status, payload = await asyncio.get_running_loop().run_in_executor(
-            self.control_thread, lambda: self.control.handle(request.method, request.path,
-                                                             request.get_content(strict=False) or b"",
-                                                             authorization=request.headers.get("authorization")))
+        try:
+            status, payload = await asyncio.get_running_loop().run_in_executor(
+                self.control_thread, lambda: self.control.handle(request.method, request.path,
+                                                                 request.get_content(strict=False) or b"",
+                                                                 authorization=request.headers.get("authorization")))
+        except Exception as exc:
+            hook_failed("request")
+            status, payload = 500, {"error": f"the control API failed: {exc}"}
         flow.response = http.Response.make(status, recording.json_bytes(payload), {"Content-Type": "application/json"})

@@ -123,18 +123,27 @@ async def http_get(address: tuple[str, int], host_header: str, path: str, header
         lines += [f"{k}: {v}" for k, v in headers.items()]
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace"))
         await writer.drain()
-        data = await reader.read(limit)
-        while len(data) < limit:
-            more = await reader.read(limit - len(data))
-            if not more:
-                break
-            data += more
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        length = None
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value.strip())
+        if length is not None:  # a server that keeps the connection open despite "close"
+            body = await reader.readexactly(min(length, limit))
+        else:
+            chunked = b"transfer-encoding: chunked" in head.lower()
+            body = b""
+            while len(body) < limit and not (chunked and (body.endswith(b"\r\n0\r\n\r\n") or body == b"0\r\n\r\n")):
+                more = await reader.read(limit - len(body))
+                if not more:
+                    break
+                body += more
+            if chunked:
+                body = _dechunk(body)
     finally:
         writer.close()
-    head, _, body = data.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    if b"transfer-encoding: chunked" in head.lower():
-        body = _dechunk(body)
     return status, body
 
 

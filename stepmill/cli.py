@@ -66,10 +66,8 @@ def proxy(port, host, control_port, db, confdir, mitmproxy_args):
     `--mode upstream:http://corp-proxy:3128`. `--set confdir=…`, `--set stepmill_db=…`,
     `--set listen_host=…` and `--set listen_port=…` are the same as `--confdir`, `--db`, `--host`, `--port`.
     """
-    from mitmproxy.tools.main import mitmdump
-
-    from .addon import SCRIPT
     from .proxy_env import ensure_bundle, ensure_ca
+    from .proxy_master import run
     from .token import ENV, ensure_token, token_path
 
     extra, own = take_own_options(list(mitmproxy_args))
@@ -89,15 +87,16 @@ def proxy(port, host, control_port, db, confdir, mitmproxy_args):
         args += ["--mode", f"reverse:http://stepmill.local@{control_port}"]
     if not any("flow_detail" in a for a in extra):
         args += ["--set", "flow_detail=0"]  # no line per flow on the console (pass --set flow_detail=1 for it)
-    # The addon comes after the user's scripts: it sees (and records) requests as they go upstream.
-    args = args + extra + ["-s", SCRIPT]
+    # The addon comes after the user's scripts (it is part of the master's chain): it sees, and
+    # records, requests as they go upstream.
+    args = args + extra
     click.echo(f"stepmill {__version__}: proxy on http://{host}:{port}, steps in {db}", err=True)
     click.echo(f"mitmproxy CA: {ca}", err=True)
     click.echo(f"trust bundle (system CAs + mitmproxy CA): {bundle}", err=True)
     click.echo(f"write token for the control API: {'$' + ENV if os.environ.get(ENV) else token_path(confdir)}"
                " (never give it to agents)", err=True)
     click.echo(f'agents: eval "$(stepmill env --port {port})"', err=True)
-    sys.exit(mitmdump(args) or 0)
+    sys.exit(run(args) or 0)
 
 
 @main.command()

@@ -1,0 +1,89 @@
+"""`stepmill proxy`'s own mitmproxy master: mitmdump's addons and options, dispatched leanly.
+
+mitmproxy calls every event (about twenty per flow: connection, TLS, request, response, update
+…) on every addon in its chain, each call wrapped in a generator context manager and a
+coroutine, whether the addon handles the event or not. With its thirty-odd default addons that
+dispatch is most of what a proxied call costs. This master keeps mitmdump's addons, options and
+command line exactly (anything a user passes still works), and dispatches each event through a
+table of the callables that handle it, rebuilt whenever an addon is added, removed or loaded.
+The stepmill addon is part of the chain (after the user's scripts), not a script.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+from mitmproxy import addonmanager, addons, exceptions, hooks, master
+from mitmproxy.addons import dumper, errorcheck, keepserving, readfile
+
+from .addon.capture import StepmillAddon
+
+log = logging.getLogger(__name__)
+
+
+class LeanAddonManager(addonmanager.AddonManager):
+    def __init__(self, master_):
+        super().__init__(master_)
+        self._table: dict[str, list] = {}
+
+    # Every way the chain changes (scripts load and reload through register/remove) clears the table.
+    def register(self, addon):
+        self._table.clear()
+        return super().register(addon)
+
+    def remove(self, addon):
+        self._table.clear()
+        super().remove(addon)
+
+    def add(self, *items):
+        self._table.clear()
+        super().add(*items)
+
+    def clear(self):
+        self._table.clear()
+        super().clear()
+
+    def _handlers(self, event: hooks.Hook) -> list:
+        handlers = self._table.get(event.name)
+        if handlers is None:
+            handlers = [pair for addon in self.chain for pair in self._iter_hooks(addon, event)]
+            self._table[event.name] = handlers
+        return handlers
+
+    async def trigger_event(self, event: hooks.Hook):
+        args = event.args()
+        for addon, func in self._handlers(event):
+            try:
+                result = func(*args)
+                if result is not None and inspect.isawaitable(result):
+                    await result
+            except exceptions.AddonHalt:
+                return
+            except exceptions.OptionsError:
+                raise
+            except Exception as exc:  # what mitmproxy's safecall does: log, and go on with the next addon
+                log.error(f"Addon error: {exc}", exc_info=True)
+
+
+class StepmillMaster(master.Master):
+    def __init__(self, opts, event_loop=None, with_termlog: bool = True):
+        super().__init__(opts, event_loop=event_loop, with_termlog=False)
+        self.addons = LeanAddonManager(self)
+        if with_termlog:
+            from mitmproxy.addons import termlog
+
+            self._termlog_addon = termlog.TermLog()
+            self.addons.add(self._termlog_addon)
+        self.addons.add(*addons.default_addons())
+        self.addons.add(dumper.Dumper(), keepserving.KeepServing(), readfile.ReadFileStdin(),
+                        errorcheck.ErrorCheck())
+        self.addons.add(StepmillAddon())
+
+
+def run(arguments: list[str]) -> None:
+    """mitmdump's command line, with this master."""
+    from mitmproxy.tools import cmdline
+    from mitmproxy.tools.main import run as run_master
+
+    run_master(StepmillMaster, cmdline.mitmdump, arguments)
