@@ -202,6 +202,10 @@ def stats(db, as_json):
                f"{share(data['consistent_share'])} of {data['parent_child_pairs_checked']} checked pairs")
     if data["policy_version"] is not None:
         click.echo(f"policy version: {data['policy_version']}")
+    backlog = data["journal"]
+    if backlog["uncommitted_bytes"]:
+        click.echo(f"not yet committed: {backlog['uncommitted_bytes']} bytes of calls in {backlog['journals']} "
+                   "journal(s); a running proxy commits them when the file takes writes, or the next start does")
 
 
 @main.command()

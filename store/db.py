@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import linking
+from . import journal, linking
 from .assign import ensure_trajectory, find_parent, set_trajectory_fields
 from .codecs import clean, dumps, float_column, int_column, loads, packed, text_column
 from .connection import StoreError, open_database, write_transaction
@@ -41,16 +41,49 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:20]}"
 
 
+def _approx_bytes(value: Any) -> int:
+    """A cheap size estimate: conversations count their text, id arrays their buffer."""
+    if isinstance(value, np.ndarray):
+        return value.nbytes + 100
+    if isinstance(value, str):
+        return len(value) + 50
+    if isinstance(value, dict):
+        return 100 + sum(_approx_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return 60 + sum(_approx_bytes(v) for v in value)
+    return 30
+
+
 class _LRU(OrderedDict):
-    def __init__(self, size: int):
+    """Least recently used first out, bounded by entries and by (estimated) bytes: one 1 MB
+    conversation weighs what a thousand small ones do."""
+
+    def __init__(self, size: int, max_bytes: int = 64 * 1024 * 1024):
         super().__init__()
         self.size = size
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._sizes: dict = {}
 
     def put(self, key, value):
+        if key in self:
+            self.bytes -= self._sizes.get(key, 0)
         self[key] = value
+        self._sizes[key] = weight = _approx_bytes(value)
+        self.bytes += weight
         self.move_to_end(key)
-        while len(self) > self.size:
-            self.popitem(last=False)
+        while self and (len(self) > self.size or self.bytes > self.max_bytes):
+            old, _ = self.popitem(last=False)
+            self.bytes -= self._sizes.pop(old, 0)
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self.bytes -= self._sizes.pop(key, 0)
+
+    def pop(self, key, *default):
+        if key in self:
+            self.bytes -= self._sizes.pop(key, 0)
+        return super().pop(key, *default)
 
 
 class Store:
@@ -607,4 +640,6 @@ class Store:
             "parent_child_pairs_checked": checked[0],
             "consistent_share": checked[1] / checked[0] if checked[0] else None,
             "policy_version": self.policy_version(),
+            "journal": journal.backlog(self.path, {k: v for k, v in conn.execute(
+                "SELECT key, value FROM state WHERE key LIKE 'journal:%'")}),
         }
