@@ -55,6 +55,7 @@ class Handoff:
         self.dropped = 0
         self.appended = 0
         self.failing: str | None = None  # why the journal does not take appends now
+        self.delays: collections.deque = collections.deque(maxlen=1000)  # call end → in the journal, seconds
         self._wake = threading.Event()
         self._stop = False
         self.thread = threading.Thread(target=self._run, name="stepmill-handoff", daemon=True)
@@ -89,9 +90,11 @@ class Handoff:
                 if self.failing is not None:
                     log.warning("stepmill: the journal takes appends again")
                     self.failing = None
-                for _, _, size in batch:
+                now = time.time()
+                for header, _, size in batch:
                     self.queue.popleft()
                     self.memory -= size
+                    self.delays.append(now - (header.get("ended") or now))
                 self.appended += len(batch)
                 self.notify()
             if self._stop and not self.queue:
@@ -103,8 +106,12 @@ class Handoff:
         self.thread.join(timeout)
 
     def status(self) -> dict:
+        delays = sorted(self.delays)
         return {"in_memory": len(self.queue), "in_memory_bytes": self.memory, "dropped": self.dropped,
-                "journaled": self.appended, "journal_error": self.failing}
+                "journaled": self.appended, "journal_error": self.failing,
+                "journal_delay_ms": {"p50": round(delays[len(delays) // 2] * 1000, 3),
+                                     "p99": round(delays[int(len(delays) * 0.99)] * 1000, 3),
+                                     "max": round(delays[-1] * 1000, 3)} if delays else None}
 
 
 class Writer:

@@ -36,27 +36,32 @@ class Handler(asyncio.Protocol):
             if head_end < 0:
                 return
             head = self.buffer[:head_end].decode("latin-1")
-            length = 0
+            length, events, delay = 0, self.events, self.delay
             for line in head.split("\r\n")[1:]:
                 name, _, value = line.partition(":")
-                if name.strip().lower() == "content-length":
+                name = name.strip().lower()
+                if name == "content-length":
                     length = int(value)
+                elif name == "x-bench-events":  # per-request shape: slow streams
+                    events = int(value)
+                elif name == "x-bench-delay":
+                    delay = float(value)
             if len(self.buffer) < head_end + 4 + length:
                 return
             body = self.buffer[head_end + 4: head_end + 4 + length]
             self.buffer = self.buffer[head_end + 4 + length:]
-            if b'"stream": true' in body or b'"stream":true' in body:
-                asyncio.ensure_future(self.stream())
+            if b'"stream": true' in body[:200] or b'"stream":true' in body[:200]:
+                asyncio.ensure_future(self.stream(events, delay))
             else:
                 self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
                                      + str(len(PLAIN)).encode() + b"\r\n\r\n" + PLAIN)
 
-    async def stream(self):
+    async def stream(self, events: int, delay: float):
         write = self.transport.write
         write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for i in range(self.events):
+        for i in range(events):
             if i:
-                await asyncio.sleep(self.delay)
+                await asyncio.sleep(delay)
             if self.transport.is_closing():
                 return
             data = (CHUNK % i).encode()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shlex
 import signal
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -91,9 +93,8 @@ class Cell:
 
 async def run_cell(cell: Cell, url: str, proxy: str | None, context: ssl.SSLContext, requests: int,
                    time_cap: float) -> None:
-    body = {"model": "bench", "messages": [{"role": "user", "content": "benchmark " * 40}]}
-    if cell.workload == "streamed":
-        body["stream"] = True
+    body = {"stream": True} if cell.workload == "streamed" else {}
+    body.update(model="bench", messages=[{"role": "user", "content": "benchmark " * 40}])
     connector = aiohttp.TCPConnector(limit=cell.concurrency, ssl=context)
     remaining = [requests]
     deadline = time.perf_counter() + time_cap
@@ -125,6 +126,82 @@ async def run_cell(cell: Cell, url: str, proxy: str | None, context: ssl.SSLCont
         cell.seconds += time.perf_counter() - started
 
 
+def rss_mib(pid: int) -> float:
+    total = 0
+    for p in [pid, *children(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+async def slow_streams(url: str, proxy: str, context, pid: int, count: int) -> dict:
+    """``count`` streams open at once, 5 events 1 s apart: memory per stream and CPU."""
+    connector = aiohttp.TCPConnector(limit=count, ssl=context)
+    before_rss, before_cpu = rss_mib(pid), tree_cpu(pid)
+    peak = [before_rss]
+
+    async def one(session):
+        async with session.post(url, proxy=proxy, headers={"x-bench-events": "5", "x-bench-delay": "1"},
+                                json={"stream": True, "model": "bench", "messages": [{"role": "user", "content": "slow"}]}) as r:
+            async for _ in r.content.iter_any():
+                pass
+
+    async def watch():
+        while True:
+            peak[0] = max(peak[0], rss_mib(pid))
+            await asyncio.sleep(0.25)
+
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+        watcher = asyncio.ensure_future(watch())
+        results = await asyncio.gather(*(one(session) for _ in range(count)), return_exceptions=True)
+        watcher.cancel()
+    errors = sum(isinstance(r, Exception) for r in results)
+    return {"streams": count, "errors": errors, "peak_rss_mib": round(peak[0], 1),
+            "kib_per_stream": round((peak[0] - before_rss) * 1024 / count, 1),
+            "cpu_ms_per_stream": round((tree_cpu(pid) - before_cpu) * 1000 / count, 2)}
+
+
+async def big_body(url: str, proxy: str, context, pid: int, megabytes: int) -> dict:
+    """One request with a huge body while streams flow: how much it delays them, and memory."""
+    connector = aiohttp.TCPConnector(limit=32, ssl=context)
+    ttfts: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+
+    async def streams(session):
+        while not stop.is_set():
+            start = time.perf_counter()
+            async with session.post(url, proxy=proxy, json={"stream": True, "model": "bench", "messages": [
+                    {"role": "user", "content": "small"}]}) as r:
+                first = None
+                async for _ in r.content.iter_any():
+                    first = first or time.perf_counter()
+            ttfts.append((start, (first - start) * 1000))
+
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
+        workers = [asyncio.ensure_future(streams(session)) for _ in range(8)]
+        await asyncio.sleep(1.5)
+        before_rss = rss_mib(pid)
+        sent = time.perf_counter()
+        payload = {"model": "bench", "messages": [{"role": "user", "content": "x" * (megabytes * 1024 * 1024)}]}
+        async with session.post(url, proxy=proxy, json=payload) as r:
+            await r.read()
+        done = time.perf_counter()
+        peak_after = rss_mib(pid)
+        await asyncio.sleep(3.0)
+        stop.set()
+        await asyncio.gather(*workers, return_exceptions=True)
+    quiet = [t for at, t in ttfts if at < sent]
+    during = [t for at, t in ttfts if sent <= at <= done + 0.5]
+    return {"body_mib": megabytes, "ttft_p50_before_ms": round(statistics.median(quiet), 1) if quiet else None,
+            "ttft_max_during_ms": round(max(during), 1) if during else None,
+            "rss_before_mib": round(before_rss, 1), "rss_after_call_mib": round(peak_after, 1),
+            "rss_3s_later_mib": round(rss_mib(pid), 1)}
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -142,6 +219,8 @@ def main() -> None:
     parser.add_argument("--time-cap", type=float, default=4.0, help="seconds per cell and round, at most")
     parser.add_argument("--quick", action="store_true", help="one round, fewer requests, https only")
     parser.add_argument("--stepmill-args", default="", help="more arguments for `stepmill proxy`")
+    parser.add_argument("--slow-streams", type=int, default=1000, help="streams open at once (0: skip)")
+    parser.add_argument("--big-body", type=int, default=50, help="MiB of one request body (0: skip)")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.requests, args.schemes = 1, 150, "https"
@@ -196,6 +275,19 @@ def main() -> None:
 
         asyncio.run(all_rounds())
         report(cells, args)
+        url = f"https://127.0.0.1:{https_port}/v1/chat/completions"
+        for name in ("mitmdump", "stepmill"):
+            proxy = f"http://127.0.0.1:{ports[name]}"
+            if args.slow_streams:
+                print(f"{name}: slow streams", asyncio.run(slow_streams(url, proxy, context, pids[name],
+                                                                        args.slow_streams)))
+            if args.big_body:
+                print(f"{name}: big body", asyncio.run(big_body(url, proxy, context, pids[name], args.big_body)))
+        health = urllib.request.build_opener(urllib.request.ProxyHandler(
+            {"http": f"http://127.0.0.1:{ports['stepmill']}"})).open("http://stepmill.local/v1/health", timeout=10)
+        capture = json.loads(health.read())["capture"]
+        print(f"stepmill: call end → journal {capture['journal_delay_ms']} ms, "
+              f"{capture['journaled']} calls journaled, {capture['dropped']} dropped")
     finally:
         for proc in reversed(processes):
             proc.send_signal(signal.SIGINT)

@@ -90,39 +90,47 @@ def test_kill_9_during_32_streams_loses_nothing_finished(tmp_path, upstream, mar
     assert not list((proxy.db.parent / "steps.db.journal").glob("*/*.seg")), "the journal was replayed and removed"
 
 
-def test_a_locked_database_stalls_no_stream(tmp_path, upstream, marker):
+def test_a_database_locked_for_10_seconds_stalls_no_stream(tmp_path, upstream, marker):
+    """Another process holds the write lock for 10 s while 16 clients keep streaming."""
     proxy = start_proxy(tmp_path, upstream)
     try:
         client = _client(proxy)
         _stream(client, f"warm {marker}")
         holder = sqlite3.connect(proxy.db, isolation_level=None)
-        holder.execute("BEGIN IMMEDIATE")  # another process holds the write lock
-        durations = []
+        holder.execute("BEGIN IMMEDIATE")
+        locked_until = time.time() + 10
+        durations, count = [], [0]
 
         def run(i):
-            started = time.time()
-            _stream(client, f"locked {marker} {i}")
-            durations.append(time.time() - started)
+            while time.time() < locked_until - 1:
+                started = time.time()
+                _stream(client, f"locked {marker} {i}.{count[0]}")
+                count[0] += 1
+                durations.append(time.time() - started)
 
         try:
             with concurrent.futures.ThreadPoolExecutor(16) as pool:
                 list(pool.map(run, range(16)))
             assert max(durations) < 2.0, f"a stream waited for the database: {max(durations):.1f} s"
             status = proxy.client().health()["capture"]
-            assert status["uncommitted_bytes"] > 0  # the calls wait in the journal, visible in health
-            time.sleep(1.0)
+            assert status["uncommitted_bytes"] > 0 and status["dropped"] == 0  # waiting in the journal, visible
+            time.sleep(max(0.0, locked_until - time.time()))
         finally:
             holder.execute("ROLLBACK")
             holder.close()
-        steps = proxy.steps("s.messages_suffix LIKE ?", [f"%locked {marker}%"], count=16, timeout=40)
-        assert len(steps) == 16 and {s["status"] for s in steps} == {"ok"}
+        steps = proxy.steps("s.messages_suffix LIKE ?", [f"%locked {marker}%"], count=count[0], timeout=60)
+        assert len(steps) == count[0] >= 32 and {s["status"] for s in steps} == {"ok"}
         wait_until(lambda: proxy.client().health()["capture"]["uncommitted_bytes"] == 0, what="backlog drained")
     finally:
         stop_proxy(proxy)
 
 
 def test_many_processes_on_one_file(tmp_path, upstream, marker):
-    """Two proxies, Datasette, exports and the stats reader on one file while traffic flows."""
+    """Two proxies, Datasette, `tokenize` (a writer), exports and stats on one file while traffic flows."""
+    from .chat_templates import KEEP_THINKING
+    from .tokenizers import build_qwen_tokenizer
+
+    tokenizer = build_qwen_tokenizer(tmp_path / "qwen", KEEP_THINKING)
     first = start_proxy(tmp_path / "one", upstream)
     second = start_proxy(tmp_path / "one", upstream)  # the same file, its own journal and writer
     ui_port = free_port()
@@ -137,7 +145,8 @@ def test_many_processes_on_one_file(tmp_path, upstream, marker):
 
         def readers():
             while not stop.is_set():
-                for command in (["export", "--db", str(first.db), "--no-tokens"], ["stats", "--db", str(first.db)]):
+                for command in (["export", "--db", str(first.db), "--no-tokens"], ["stats", "--db", str(first.db)],
+                                ["tokenize", "--db", str(first.db), "--tokenizer", str(tokenizer)]):
                     done = subprocess.run(STEPMILL + command, capture_output=True, text=True, timeout=60)
                     outputs.append(done.stderr + done.stdout)
                     assert done.returncode == 0, done.stderr
@@ -153,6 +162,7 @@ def test_many_processes_on_one_file(tmp_path, upstream, marker):
         steps = first.steps("s.messages_suffix LIKE ?", [f"%many {marker}%"], count=40, timeout=30)
         assert len(steps) == 40
         assert not any("database is locked" in out for out in outputs)
+        assert any("rendered" in out and "rendered 0 steps" not in out for out in outputs)  # tokenize wrote
     finally:
         ui.terminate()
         ui.wait(30)
