@@ -38,7 +38,9 @@ from .secrets import redact_bytes
 log = logging.getLogger("stepmill")
 
 BATCH_BYTES = 8 * 1024 * 1024  # journal bytes per transaction at most
-BATCH_WAIT = 0.05  # seconds the writer waits for more calls before committing what it has
+BATCH_WAIT = 0.1  # seconds the writer waits for more calls before committing what it has
+CHECKPOINT_WAL_BYTES = 32 * 1024 * 1024  # the writer checkpoints after committing this much, or when idle
+CHECKPOINT_IDLE = 5.0  # seconds without calls after which the WAL is checkpointed
 RETRY_WAIT = 0.5  # after a locked database or a full disk
 MEMORY_LIMIT = 256 * 1024 * 1024  # calls waiting for the journal (a full disk) at most, in bytes
 
@@ -125,6 +127,7 @@ class Writer:
         self.committed = 0
         self.last_commit: float | None = None
         self.failing: str | None = None
+        self._since_checkpoint = 0
 
     def wake(self) -> None:
         self._wake.set()
@@ -145,13 +148,18 @@ class Writer:
             if not orphan.backlog(self._position(store, orphan)):
                 store.set_state(state_key(orphan.id), None)
                 orphan.remove()
+        dirty = False
         while True:
-            self._wake.wait(None if not self.failing else RETRY_WAIT)
+            woken = self._wake.wait(RETRY_WAIT if self.failing else (CHECKPOINT_IDLE if dirty else None))
             self._wake.clear()
+            if not woken and dirty and not self.failing:
+                self._checkpoint(store, "PASSIVE")  # idle: a good moment to fold the WAL into the file
+                dirty = False
+                continue
             stopping = self._stop
             time.sleep(BATCH_WAIT if not stopping else 0)  # let a burst of calls share one transaction
             while self._drain(store, ingest, self.journal):
-                pass
+                dirty = True
             if stopping and not self.failing:
                 break
         self._checkpoint(store, "TRUNCATE")
@@ -185,11 +193,13 @@ class Writer:
         self.committed += len(entries)
         self.last_commit = time.time()
         journal.drop_before(entries[-1][0])
-        self._checkpoint(store, "PASSIVE")
+        self._since_checkpoint += sum(len(payload) for _, payload in entries)
+        if self._since_checkpoint > CHECKPOINT_WAL_BYTES:  # roughly what the WAL grew by
+            self._checkpoint(store, "PASSIVE")
         return True
 
-    @staticmethod
-    def _checkpoint(store: Store, mode: str) -> None:
+    def _checkpoint(self, store: Store, mode: str) -> None:
+        self._since_checkpoint = 0
         try:
             store.db.conn.execute(f"PRAGMA wal_checkpoint({mode})")
         except sqlite3.OperationalError:
