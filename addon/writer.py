@@ -251,6 +251,10 @@ class ProcessWriter:
 
 
 def _serve_process(db_path: str, folder: Path) -> None:
+    try:
+        os.nice(10)  # background work: when cores are short, the proxy's event loop goes first
+    except OSError:
+        pass
     writer = Writer(db_path, folder)
     thread = threading.Thread(target=writer.run, name="stepmill-writer", daemon=False)
     thread.start()
