@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from stepmill.store.db import Store
-from stepmill.store.journal import Journal, Position, decode_entry, encode_entry, state_key
+from stepmill.store.journal import Journal, Position, decode_entry, entry_parts, state_key
 
 from .ingest import Ingest
 from .recording import EnvironmentFailure
@@ -80,8 +80,8 @@ class Handoff:
             while self.queue:
                 batch = list(itertools.islice(self.queue, 256))  # the loop only appends on the right
                 # Secrets never reach the disk, the journal included (a few ms per MB, off the loop).
-                data = b"".join(encode_entry(header, [redact_bytes(blob) for blob in blobs])
-                                for header, blobs, _ in batch)
+                data = [part for header, blobs, _ in batch
+                        for part in entry_parts(header, [redact_bytes(blob) for blob in blobs])]
                 try:
                     self.journal.append(data)  # one write() for the batch
                 except OSError as exc:

@@ -29,14 +29,22 @@ _U32 = struct.Struct("<I")
 SEGMENT_BYTES = 16 * 1024 * 1024  # a new segment starts after this much
 
 
-def encode_entry(header: dict, blobs: list[bytes]) -> bytes:
-    """header: JSON-able; blobs: raw bytes, referenced from the header by index."""
+def entry_parts(header: dict, blobs: list) -> list:
+    """One entry as a list of buffers (a 50 MB body is written as it is, never copied into a join).
+    header: JSON-able; blobs: raw bytes, referenced from the header by index."""
     head = json.dumps(header, separators=(",", ":")).encode("utf-8", "surrogatepass")
     parts = [_U32.pack(len(head)), head, _U32.pack(len(blobs))]
     for blob in blobs:
         parts += [_U32.pack(len(blob)), blob]
-    payload = b"".join(parts)
-    return _HEAD.pack(len(payload), zlib.crc32(payload)) + payload
+    crc, length = 0, 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+        length += len(part)
+    return [_HEAD.pack(length, crc), *parts]
+
+
+def encode_entry(header: dict, blobs: list) -> bytes:
+    return b"".join(entry_parts(header, blobs))
 
 
 def decode_entry(payload: bytes | memoryview) -> tuple[dict, list[bytes]]:
@@ -150,8 +158,9 @@ class Journal:
     def _segment_path(self, number: int) -> Path:
         return self.folder / f"{number:08d}.seg"
 
-    def append(self, entry: bytes) -> Position:
-        """Append one encoded entry; returns where the next entry starts. OSError when the disk refuses."""
+    def append(self, entry: bytes | list) -> Position:
+        """Append encoded entries (bytes, or a list of buffers written with writev); returns where the
+        next entry starts. OSError when the disk refuses."""
         if self._append is None:
             # Each opening starts a new segment: a torn tail left by a crash stays at a segment's end.
             existing = self.segments()
@@ -162,14 +171,23 @@ class Journal:
             self._segment += 1
             self._append = open(self._segment_path(self._segment), "ab", buffering=0)
         start = self._append.tell()
+        parts = [entry] if isinstance(entry, (bytes, bytearray, memoryview)) else list(entry)
         try:
-            written = self._append.write(entry)
-            if written != len(entry):
-                raise OSError(f"short write to the journal ({written} of {len(entry)} bytes)")
+            for i in range(0, len(parts), 512):  # within IOV_MAX
+                chunk = parts[i:i + 512]
+                expected = sum(len(p) for p in chunk)
+                written = os.writev(self._append.fileno(), chunk)
+                while written < expected:  # a short write: the rest, without copying what was written
+                    view = memoryview(b"".join(chunk))[written:]
+                    more = os.write(self._append.fileno(), view)
+                    if not more:
+                        raise OSError("the journal took no more bytes")
+                    written += more
         except OSError:
             self._append.truncate(start)  # never leave half an entry before the next one
+            self._append.seek(0, os.SEEK_END)
             raise
-        return Position(self._segment, self._append.tell())
+        return Position(self._segment, self._append.seek(0, os.SEEK_END))
 
     # -- reading ------------------------------------------------------------------------
     def read(self, after: Position, max_bytes: int = 8 * 1024 * 1024) -> Iterator[tuple[Position, bytes]]:
