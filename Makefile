@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: proxy ui test bench
+.PHONY: proxy ui test bench bench-proxy bench-store
 
 $(PY): pyproject.toml
 	"$$(.ci/find-python)" -m venv $(VENV)
@@ -21,3 +21,9 @@ test: $(PY)
 
 bench: $(PY)
 	$(PY) -m bench.capture_bench
+
+bench-proxy: $(PY)
+	$(PY) -m bench.proxy_bench
+
+bench-store: $(PY)
+	$(PY) -m bench.store_bench

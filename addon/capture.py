@@ -239,7 +239,11 @@ class StepmillAddon:
 
     def responseheaders(self, flow: http.HTTPFlow):
         capture: Capture | None = flow.metadata.get("stepmill")
-        if capture is None or flow.response is None:
+        if flow.response is None:
+            return
+        if capture is None:
+            if "text/event-stream" in flow.response.headers.get("content-type", ""):
+                flow.response.stream = True  # other event streams pass through as they come, not buffered
             return
         try:
             if "text/event-stream" in flow.response.headers.get("content-type", ""):

@@ -64,7 +64,14 @@ def main():
             print(f"{label:9s} direct p50 {statistics.median(d):6.2f} ms   via stepmill p50 {statistics.median(v):6.2f} ms"
                   f"   p95 {statistics.quantiles(v, n=20)[18]:6.2f} ms   ({args.calls} calls, 2-core machine)")
 
-        # Storage of one long trajectory, each request re-sending the whole history.
+        # Storage of one long trajectory, each request re-sending the whole history (after the
+        # writer has committed the calls above: it commits in batches, off the proxy's loop).
+        seen, stable_since = -1, time.time()
+        while time.time() - stable_since < 1.0:
+            count = Store(proxy.db).stats()["steps"]
+            if count != seen:
+                seen, stable_since = count, time.time()
+            time.sleep(0.1)
         empty = checkpointed(proxy.db)
         before = Store(proxy.db).stats()["steps"]
         messages = [{"role": "system", "content": "You are a careful agent. " * 20}]
