@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from mitmproxy import ctx, http
 from mitmproxy.proxy import mode_specs

@@ -7,7 +7,6 @@ WebSocket turns, resolving Responses chains, and the write with its fallbacks.
 
 from __future__ import annotations
 
-import json
 import re
 from collections import OrderedDict
 
@@ -196,4 +195,4 @@ def is_terminal_frame(content: bytes) -> bool:
     return bool(TERMINAL_FRAME.search(content))
 
 
-__all__ = ["Ingest", "call_header", "is_create_frame", "is_terminal_frame", "json"]
+__all__ = ["Ingest", "call_header", "is_create_frame", "is_terminal_frame"]

@@ -99,11 +99,16 @@ class Journal:
 
     @classmethod
     def create(cls, db_path) -> "Journal":
-        folder = journal_root(db_path) / uuid.uuid4().hex[:16]
-        folder.mkdir(parents=True, exist_ok=False)
-        journal = cls(folder)
+        """A new journal, locked before it becomes visible (a writer looking for orphans must never
+        take a journal whose owner is still setting it up)."""
+        name = uuid.uuid4().hex[:16]
+        hidden = journal_root(db_path) / f".{name}.new"
+        hidden.mkdir(parents=True, exist_ok=False)
+        journal = cls(hidden)
         if not journal.try_lock(shared=True):
-            raise RuntimeError(f"could not lock the new journal {folder}")
+            raise RuntimeError(f"could not lock the new journal {hidden}")
+        hidden.rename(hidden.with_name(name))  # the lock's open file moves with the folder
+        journal.folder, journal.id = hidden.with_name(name), name
         return journal
 
     @classmethod
@@ -112,7 +117,7 @@ class Journal:
         root = journal_root(db_path)
         found = []
         for folder in sorted(root.iterdir()) if root.exists() else []:
-            if not folder.is_dir():
+            if not folder.is_dir() or folder.name.startswith("."):
                 continue
             journal = cls(folder)
             if journal.try_lock():

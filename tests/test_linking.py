@@ -5,7 +5,6 @@ import concurrent.futures
 import ssl
 import uuid
 
-import anthropic
 import httpx2
 import openai
 

@@ -149,3 +149,38 @@ def test_cli_takes_the_users_set_for_its_own_options(tmp_path, upstream, marker)
     finally:
         own.confdir = other_confdir
         stop_proxy(own)
+
+
+def test_event_streams_of_other_apis_pass_unbuffered(proxy, marker):
+    """Not an LLM path, but an event stream: it passes as it comes (mitmproxy would buffer it whole)."""
+    release = threading.Event()
+
+    class Events(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for data in (b"data: first\n\n", b"data: second\n\n"):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+                release.wait(10)
+            self.wfile.write(b"0\r\n\r\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Events)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with httpx2.Client(proxy=proxy.url, timeout=10) as client:
+            with client.stream("GET", f"http://127.0.0.1:{server.server_port}/events/{marker}") as response:
+                lines = response.iter_lines()
+                assert next(lines) == "data: first"  # before the server sends the rest
+                release.set()
+                assert "data: second" in list(lines)
+    finally:
+        release.set()
+        server.shutdown()
