@@ -45,6 +45,10 @@ _SHAPES = [re.compile(p) for p in (
     rb"AKIA[0-9A-Z]{16}", rb"AIza[0-9A-Za-z_\-]{30,}", rb"gh[pousr]_[A-Za-z0-9]{20,}", rb"xox[abprs]-[A-Za-z0-9\-]{10,}",
     rb"hf_[A-Za-z0-9]{20,}",
 )]
+# The pair patterns are slow on large text (a try at every quote): they run only where one of these
+# endings of a secret's name occurs (a substring search on the lower-cased text, memchr-fast).
+_PAIR_TRIGGERS = (b'key"', b'secret"', b'password"', b'passwd"', b'token"', b'authorization"', b'credential',
+                  b"key=", b"secret=", b"password=", b"passwd=", b"token=", b"authorization=")
 _WORD = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
 WINDOW = 1 << 18  # large bodies are scanned a window (a few ms) at a time, letting other threads run between
 
@@ -60,8 +64,10 @@ def _pair(match: re.Match) -> bytes:
 
 
 def _redact_window(data: bytes) -> bytes:
-    for pattern in _PAIRS:
-        data = pattern.sub(_pair, data)
+    lowered = data.lower()
+    if any(trigger in lowered for trigger in _PAIR_TRIGGERS):
+        for pattern in _PAIRS:
+            data = pattern.sub(_pair, data)
     for pattern in _SHAPES:
         if pattern.search(data) is None:
             continue
@@ -97,7 +103,10 @@ def redact_bytes(data: bytes | bytearray | None) -> bytes | None:
     data = bytes(data)
     if len(data) <= WINDOW:
         return _redact_window(data)
-    if not any(_found(pattern, data) for pattern in _PAIRS + _SHAPES):
+    lowered = data.lower()
+    pairs = _PAIRS if any(trigger in lowered for trigger in _PAIR_TRIGGERS) else []
+    del lowered
+    if not any(_found(pattern, data) for pattern in pairs + _SHAPES):
         return data  # nothing to take out: no copy of a large body
     out, start = [], 0
     while start < len(data):
