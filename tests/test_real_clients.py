@@ -18,14 +18,15 @@ def _engine(proxy, mode: str, http2: bool = False) -> openai.OpenAI:
     if mode == "forward":  # HTTPS through the proxy: the client negotiates HTTP/2 with mitmproxy when asked
         http = httpx2.Client(proxy=proxy.url, verify=verify, http2=http2, timeout=30)
         return openai.OpenAI(api_key="sk-x", base_url="https://engine.local/v1", http_client=http, max_retries=0)
-    # reverse mode: the agent only takes a base URL (plain HTTP/1.1 to the reverse port)
-    http = httpx2.Client(timeout=30)
-    return openai.OpenAI(api_key="sk-x", base_url=f"http://127.0.0.1:{proxy.reverse_port}/v1",
+    # reverse mode: the agent only takes a base URL; over TLS to the reverse port it can offer HTTP/2
+    scheme = "https" if http2 else "http"
+    http = httpx2.Client(verify=verify, http2=http2, timeout=30, trust_env=False)  # straight to the reverse port
+    return openai.OpenAI(api_key="sk-x", base_url=f"{scheme}://127.0.0.1:{proxy.reverse_port}/v1",
                          http_client=http, max_retries=0)
 
 
-@pytest.mark.parametrize("mode,http2", [("forward", False), ("forward", True), ("reverse", False)],
-                         ids=["forward-http1", "forward-http2", "reverse-http1"])
+@pytest.mark.parametrize("mode,http2", [("forward", False), ("forward", True), ("reverse", False), ("reverse", True)],
+                         ids=["forward-http1", "forward-http2", "reverse-http1", "reverse-http2"])
 @pytest.mark.parametrize("shape", ["split-", "gzip-", "br-", ""])
 def test_engine_streams_reach_the_agent_whole(proxy, marker, mode, http2, shape):
     """Engine fields are stripped from every event, whatever the network cut the events into."""
