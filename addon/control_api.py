@@ -9,6 +9,7 @@ for the write token (``Authorization: Bearer <token>``), which agents are never 
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import math
@@ -133,6 +134,9 @@ STEP_FIELDS = {
     "channel": STRING,
     "finish_reason": STRING,
 }
+TEXT = (lambda v: isinstance(v, str) and len(v) <= 10000 and _is_text(v), "a string")
+SOURCE = (lambda v: v in ("rule", "model", "human", "env", "api"), "one of rule, model, human, env, api")
+THUMBS = {"up": 1.0, "down": -1.0}  # feedback thumbs as rewards (README: Curation)
 TRAJECTORY_FIELDS = {"trajectory_id": STRING, "group_id": STRING, "channel": STRING, "metadata": OBJECT}
 
 
@@ -160,6 +164,10 @@ class ControlAPI:
             ("POST", r"/v1/trajectories/(?P<tid>[^/]+)/complete", self.complete_trajectory),
             ("POST", r"/v1/steps", self.submit_step),
             ("GET", r"/v1/steps/(?P<sid>[^/]+)", self.get_step),
+            ("POST", r"/v1/rewards", self.add_reward),
+            ("POST", r"/v1/feedback", self.feedback),
+            ("POST", r"/v1/reviews", self.add_review),
+            ("GET", r"/v1/curation/(?P<target>[^/]+)", self.get_curation),
         ]
 
     def authorized(self, authorization: str | None) -> bool:
@@ -303,3 +311,53 @@ class ControlAPI:
 
     def get_step(self, body, sid):
         return 200, self.store.step(sid)
+
+    # -- curation -------------------------------------------------------------------------
+    def add_reward(self, body):
+        data = _check(_object(body), {"target": STRING, "value": NUMBER, "source": SOURCE, "name": STRING,
+                                      "note": TEXT, "details": OBJECT, "idempotency_key": STRING},
+                      required=("target", "value"))
+        return self._reward(data["target"], data["value"], source=data.get("source") or "api", name=data.get("name"),
+                            note=data.get("note"), details=data.get("details"),
+                            idempotency_key=data.get("idempotency_key"))
+
+    def feedback(self, body):
+        """End users' feedback from an app: on a response, step or trajectory id; a human reward."""
+        data = _check(_object(body), {"response_id": STRING, "step_id": STRING, "trajectory_id": STRING,
+                                      "score": NUMBER, "thumbs": (lambda v: v in ("up", "down"), '"up" or "down"'),
+                                      "comment": TEXT, "idempotency_key": STRING})
+        targets = [data[k] for k in ("response_id", "step_id", "trajectory_id") if data.get(k)]
+        if len(targets) != 1:
+            raise ApiError(400, "give exactly one of response_id, step_id, trajectory_id")
+        if (data.get("score") is None) == (data.get("thumbs") is None):
+            raise ApiError(400, 'give exactly one of score, thumbs ("up" / "down")')
+        value = data["score"] if data.get("score") is not None else THUMBS[data["thumbs"]]
+        key = data.get("idempotency_key") or "feedback:" + hashlib.sha256(json.dumps(
+            [targets[0], data.get("score"), data.get("thumbs"), data.get("comment")]).encode()).hexdigest()[:32]
+        return self._reward(targets[0], value, source="human", name="feedback", note=data.get("comment"),
+                            details={k: data[k] for k in ("thumbs", "score") if data.get(k) is not None},
+                            idempotency_key=key)
+
+    def _reward(self, target: str, value: float, **fields):
+        try:
+            row = self.store.add_reward(target, value, **fields)
+        except KeyError:
+            raise ApiError(404, f"no step, trajectory or upstream response {target!r}") from None
+        return (201 if row.pop("new") else 200), row
+
+    def add_review(self, body):
+        data = _check(_object(body), {"target": STRING, "action": STRING, "value": TEXT, "reviewer": STRING},
+                      required=("target", "action", "reviewer"))
+        try:
+            return 201, self.store.add_review(data["target"], data["action"], data.get("value"),
+                                              reviewer=data["reviewer"])
+        except KeyError:
+            raise ApiError(404, f"no step or trajectory {data['target']!r}") from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    def get_curation(self, body, target):
+        try:
+            return 200, self.store.curation(target)
+        except KeyError:
+            raise ApiError(404, f"no step, trajectory or upstream response {target!r}") from None

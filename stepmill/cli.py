@@ -162,20 +162,87 @@ def where_clause(where: str | None, params: tuple) -> tuple[str | None, dict]:
 @WHERE_OPTION
 @PARAM_OPTION
 @click.option("--no-tokens", is_flag=True, help="Leave prompt_ids / response_ids / logprobs out.")
-def export(db, fmt, out, where, params, no_tokens):
-    """Write steps as JSON Lines, one object per step."""
+@click.option("--no-gate", is_flag=True, help="Export every selected step, also those reviews took out.")
+def export(db, fmt, out, where, params, no_tokens, no_gate):
+    """Write steps as JSON Lines, one object per step, through the curation gate."""
     import sqlite3
 
     store = open_reader(db)
     condition, values = where_clause(where, params)
     count = 0
     try:
-        for record in store.iter_steps(condition, values, with_tokens=not no_tokens):
+        gate = store.gate_counts(condition, values)
+        for record in store.iter_steps(condition, values, with_tokens=not no_tokens, gate=not no_gate):
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
             count += 1
     except sqlite3.Error as exc:
         raise click.ClickException(f"--where {where!r}: {exc}") from None
-    click.echo(f"exported {count} steps", err=True)
+    why = ", ".join(f"{n} {reason}" for reason, n in sorted(gate["removed_by_reason"].items()))
+    if no_gate:
+        click.echo(f"exported {count} steps (gate off; it would remove {gate['removed']}{': ' + why if why else ''})",
+                   err=True)
+    else:
+        click.echo(f"exported {count} steps; the curation gate removed {gate['removed']}{': ' + why if why else ''}",
+                   err=True)
+
+
+def open_writer(db: str):
+    from .store import Store
+
+    if not os.path.exists(db):
+        raise click.ClickException(f"no stepmill database at {db}")
+    return Store(db)
+
+
+@main.command()
+@DB_OPTION
+@click.argument("target")
+@click.argument("value", type=float)
+@click.option("--source", type=click.Choice(["human", "rule", "model", "env", "api"]), default="human",
+              show_default=True)
+@click.option("--name", help="Who or what gave it (a person, a function).")
+@click.option("--note")
+def reward(db, target, value, source, name, note):
+    """Append a reward to a step, a trajectory, or the step of an upstream response id.
+
+    Rewards are never overwritten: the latest human one counts, else the latest of any source.
+    """
+    import math
+
+    if not math.isfinite(value):
+        raise click.BadParameter("the reward must be a finite number")
+    try:
+        row = open_writer(db).add_reward(target, value, source=source, name=name or os.environ.get("USER"),
+                                         note=note)
+    except KeyError:
+        raise click.ClickException(f"no step, trajectory or upstream response {target!r} in {db}") from None
+    click.echo(f"{row['target_kind']} {row['target_id']}: reward {row['value']} ({row['source']})")
+
+
+@main.command()
+@DB_OPTION
+@click.argument("target")
+@click.option("--label", type=click.Choice(["good", "bad", "needs-fix"]))
+@click.option("--trainable/--untrainable", default=None, help="Keep it in, or take it out of, training data.")
+@click.option("--tag", multiple=True)
+@click.option("--note")
+@click.option("--reviewer", default=lambda: os.environ.get("USER") or "local", show_default="$USER")
+def review(db, target, label, trainable, tag, note, reviewer):
+    """Review a step or a trajectory; what the gate lets into exports follows the latest reviews."""
+    actions = ([("label", label)] if label else []) + \
+        ([("trainable", "true" if trainable else "false")] if trainable is not None else []) + \
+        [("tag", t) for t in tag] + ([("note", note)] if note else [])
+    if not actions:
+        raise click.UsageError("say what to record: --label, --trainable/--untrainable, --tag or --note")
+    store = open_writer(db)
+    try:
+        for action, value in actions:
+            store.add_review(target, action, value, reviewer=reviewer)
+    except KeyError:
+        raise click.ClickException(f"no step or trajectory {target!r} in {db}") from None
+    state = store.curation(target)["review"]
+    click.echo(f"{target}: label {state['label'] or '-'}, {'trainable' if state['trainable'] else 'untrainable'}"
+               + (f", tags {', '.join(state['tags'])}" if state["tags"] else ""))
 
 
 @main.command()

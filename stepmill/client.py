@@ -98,3 +98,21 @@ class StepmillClient:
 
     def step(self, step_id: str) -> dict:
         return self.request("GET", f"/v1/steps/{_q(step_id)}")
+
+    def reward(self, target: str, value: float, **fields) -> dict:
+        """Append a reward to a step, trajectory or upstream response id. Fields: source, name, note,
+        details, idempotency_key."""
+        return self.request("POST", "/v1/rewards", {"target": target, "value": value, **fields})
+
+    def feedback(self, **fields) -> dict:
+        """End-user feedback: one of response_id / step_id / trajectory_id, one of score / thumbs, comment,
+        idempotency_key."""
+        return self.request("POST", "/v1/feedback", fields)
+
+    def review(self, target: str, action: str, value: str | None = None, *, reviewer: str) -> dict:
+        """action: label (good | bad | needs-fix), trainable ("true" | "false"), tag, note."""
+        return self.request("POST", "/v1/reviews", {"target": target, "action": action, "value": value,
+                                                    "reviewer": reviewer})
+
+    def curation(self, target: str) -> dict:
+        return self.request("GET", f"/v1/curation/{_q(target)}")

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import journal, linking
+from . import curation, journal, linking
 from .assign import ensure_trajectory, find_parent, set_trajectory_fields
 from .codecs import clean, dumps, float_column, int_column, loads, packed, text_column
 from .connection import StoreError, open_database, write_transaction
@@ -188,11 +188,53 @@ class Store:
         with self.write() as conn:
             if not conn.execute("SELECT 1 FROM trajectories WHERE id = ?", [trajectory_id]).fetchone():
                 raise KeyError(trajectory_id)
-            conn.execute(
-                "UPDATE trajectories SET status = 'complete', completed_at = ?, reward = coalesce(?, reward) WHERE id = ?",
-                [now_iso(), reward, trajectory_id],
-            )
+            conn.execute("UPDATE trajectories SET status = 'complete', completed_at = ? WHERE id = ?",
+                         [now_iso(), trajectory_id])
+            if reward is not None:
+                curation.add_reward(conn, "trajectory", trajectory_id, reward, source="api", name="control API",
+                                    created_at=now_iso())
         return self.trajectory(trajectory_id)
+
+    # -- curation -------------------------------------------------------------------------
+    def add_reward(self, target: str, value: float, *, source: str = "api", name: str | None = None,
+                   note: str | None = None, details: Any = None, idempotency_key: str | None = None) -> dict:
+        """Append a reward to a step, a trajectory, or the step of an upstream response id.
+        KeyError for an unknown id. The row comes back with ``new`` False for a repeated idempotency key."""
+        with self.write() as conn:
+            kind, target_id = curation.resolve_target(conn, target)
+            row, new = curation.add_reward(conn, kind, target_id, float(value), source=source, name=name, note=note,
+                                           details=dumps(details), idempotency_key=idempotency_key,
+                                           created_at=now_iso())
+        return {**row, "new": new}
+
+    def add_review(self, target: str, action: str, value: str | None = None, *, reviewer: str) -> dict:
+        """Append a review action (label, trainable, tag, note) to a step or trajectory. KeyError if unknown."""
+        with self.write() as conn:
+            kind, target_id = curation.resolve_target(conn, target)
+            return curation.add_review(conn, kind, target_id, action, value, reviewer=reviewer, created_at=now_iso())
+
+    def curation(self, target: str) -> dict:
+        """A target's reward history, effective reward, review history and current review state."""
+        conn = self.db.conn
+        kind, target_id = curation.resolve_target(conn, target)
+        return {
+            "target_kind": kind, "target_id": target_id,
+            "reward": curation.effective_reward(conn, kind, target_id),
+            "rewards": self.query("SELECT * FROM rewards WHERE target_kind = ? AND target_id = ? ORDER BY id",
+                                  [kind, target_id]),
+            "review": curation.review_state(conn, kind, target_id),
+            "reviews": self.query("SELECT * FROM reviews WHERE target_kind = ? AND target_id = ? ORDER BY id",
+                                  [kind, target_id]),
+        }
+
+    def gate_counts(self, where: str | None = None, params: Any = ()) -> dict:
+        """How many of the selected steps the curation gate keeps, and why it removes the others."""
+        sql = f"SELECT {curation.GATE_REASON} AS reason, count(*) FROM steps s"
+        if where:
+            sql += f" WHERE {where}"
+        counts = {reason: n for reason, n in self.db.conn.execute(sql + " GROUP BY 1", params)}
+        kept = counts.pop(None, 0)
+        return {"kept": kept, "removed": sum(counts.values()), "removed_by_reason": counts}
 
     # -- recording ------------------------------------------------------------------------
     def record_step(self, rec: StepRecord) -> str:
@@ -316,7 +358,7 @@ class Store:
             "started_at": text_column(rec.started_at) or now_iso(),
             "channel": traj["channel"] or "train",
             "policy_version": text_column(rec.policy_version),
-            "reward": float_column(rec.reward),
+            "reward": None,  # effective, set from the rewards table below
             "headers_hash": self._put_blob(conn, clean(rec.headers) if rec.headers else None),
             "link_key": keys[len(messages) - 1] if messages else None,
             "continuation_key": keys[-1] if completion else None,
@@ -333,6 +375,9 @@ class Store:
                                        rec.token_provenance or "exact", system_changed=bool(system_changed)))
         cols = ",".join(row)
         conn.execute(f"INSERT INTO steps ({cols}) VALUES ({','.join('?' * len(row))})", list(row.values()))
+        if float_column(rec.reward) is not None:
+            curation.add_reward(conn, "step", step_id, float_column(rec.reward), source="api", name="control API",
+                                created_at=now_iso())
         if rec.is_last:
             conn.execute("UPDATE trajectories SET status = 'complete', completed_at = ? WHERE id = ?",
                          [now_iso(), trajectory_id])
@@ -596,12 +641,17 @@ class Store:
         }
         return record
 
-    def iter_steps(self, where: str | None = None, params: Any = (), *, with_tokens: bool = True) -> Iterator[dict]:
-        """Exported steps in capture order; ``where`` is a SQL condition on the steps table (alias s)."""
+    def iter_steps(self, where: str | None = None, params: Any = (), *, with_tokens: bool = True,
+                   gate: bool = False) -> Iterator[dict]:
+        """Exported steps in capture order; ``where`` is a SQL condition on the steps table (alias s).
+        ``gate``: only what the curation gate lets through (see ``store/curation.py``)."""
         sql = ("SELECT s.*, t.reward AS trajectory_reward FROM steps s"
                " LEFT JOIN trajectories t ON t.id = s.trajectory_id")
-        if where:
-            sql += f" WHERE {where}"
+        conditions = [f"({where})"] if where else []
+        if gate:
+            conditions.append(f"({curation.GATE_REASON}) IS NULL")
+        if conditions:
+            sql += " WHERE " + " AND ".join(conditions)
         sql += " ORDER BY s.started_at, s.rowid"
         for row in self.db.query(sql, params):
             yield self._export(row, with_tokens=with_tokens)

@@ -124,10 +124,34 @@ def _m003_linking(db: sqlite_utils.Database) -> None:
     steps.create_index(["loose_key", "trajectory_id"])
 
 
+def _m004_curation(db: sqlite_utils.Database) -> None:
+    # Append-only: a target's history stays; its current reward and review state are derived.
+    db["rewards"].create({
+        "id": int, "target_kind": str, "target_id": str,  # step | trajectory
+        "value": float, "source": str,  # rule | model | human | env | api
+        "name": str, "note": str, "details": str, "idempotency_key": str, "created_at": str,
+    }, pk="id")
+    db["rewards"].create_index(["target_kind", "target_id"])
+    db["rewards"].create_index(["idempotency_key"], unique=True)
+    db["reviews"].create({
+        "id": int, "target_kind": str, "target_id": str, "reviewer": str,
+        "action": str,  # label (good | bad | needs-fix) | trainable (true | false) | tag | note
+        "value": str, "created_at": str,
+    }, pk="id")
+    db["reviews"].create_index(["target_kind", "target_id"])
+    # Rewards recorded before this migration (control API columns) become rows of their history.
+    db.execute("INSERT INTO rewards (target_kind, target_id, value, source, name, created_at)"
+               " SELECT 'step', id, reward, 'api', 'control API', started_at FROM steps WHERE reward IS NOT NULL")
+    db.execute("INSERT INTO rewards (target_kind, target_id, value, source, name, created_at)"
+               " SELECT 'trajectory', id, reward, 'api', 'control API', coalesce(completed_at, created_at)"
+               " FROM trajectories WHERE reward IS NOT NULL")
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("capture", _m001_capture),
     ("tokens", _m002_tokens),
     ("linking", _m003_linking),
+    ("curation", _m004_curation),
 ]
 
 
