@@ -300,6 +300,32 @@ def tokenize(db, tokenizer_path, where, params, splice, redo, batch_size):
                f"divergences, {report.skipped} skipped, {report.failed} failed", err=True)
 
 
+@main.command()
+@DB_OPTION
+@click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="A TOML file of [[reward]] tables (see `stepmill.store.scoring`).")
+@click.option("--where", help="SQL condition on trajectories (alias t), e.g. \"t.group_id = :g\".")
+@PARAM_OPTION
+@click.option("--batch-size", default=32, show_default=True)
+def score(db, config_path, where, params, batch_size):
+    """Score completed trajectories with the reward functions of a configuration."""
+    from .store.scoring import ConfigError, load_config
+    from .store.scoring import score as run_score
+
+    try:
+        specs = load_config(config_path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    condition, values = where_clause(where, params)
+    reports = run_score(open_writer(db), specs, where=condition, params=values, batch_size=batch_size)
+    for name, report in reports.items():
+        click.echo(f"{name}: scored {report.scored}, failed {report.failed}, skipped {report.skipped}"
+                   " (not matching its where)", err=True)
+    if any(report.failed for report in reports.values()):
+        click.echo("failures are recorded as reward rows without a value (their error in details); "
+                   "they are tried again on the next run", err=True)
+
+
 @main.command("policy-version")
 @DB_OPTION
 @click.argument("version", required=False)

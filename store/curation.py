@@ -41,16 +41,17 @@ def resolve_target(conn: sqlite3.Connection, target: str) -> tuple[str, str]:
 
 def effective_reward(conn: sqlite3.Connection, kind: str, target_id: str) -> float | None:
     row = conn.execute(
-        "SELECT value FROM rewards WHERE target_kind = ? AND target_id = ?"
+        "SELECT value FROM rewards WHERE target_kind = ? AND target_id = ? AND value IS NOT NULL"
         " ORDER BY source = 'human' DESC, id DESC LIMIT 1", [kind, target_id]).fetchone()
     return row[0] if row else None
 
 
-def add_reward(conn: sqlite3.Connection, kind: str, target_id: str, value: float, *, source: str,
+def add_reward(conn: sqlite3.Connection, kind: str, target_id: str, value: float | None, *, source: str,
                name: str | None = None, note: str | None = None, details: str | None = None,
                idempotency_key: str | None = None, created_at: str) -> tuple[dict, bool]:
     """Append one reward (in the caller's transaction) and refresh the target's effective reward.
-    Returns (the row, whether it is new): a repeated idempotency key returns the first row."""
+    Returns (the row, whether it is new): a repeated idempotency key returns the first row. A row
+    without a value records a reward function that failed (the error in its details)."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {source!r}")
     if idempotency_key:

@@ -265,6 +265,8 @@ class Upstream:
         messages = body.get("messages") or []
         last = messages[-1] if messages else {"role": "user", "content": ""}
         kind, value = decide(last.get("role"), _text_of(last.get("content")), bool(body.get("tools")))
+        if model == "judge-test":  # a grader model: answers in the format it was asked for
+            kind, value = "text", "Score: 8\nThe final answer follows from the tool output."
         rid = f"chatcmpl-{uuid.uuid4().hex[:12]}"
         if kind == "tool":
             call = {"id": f"call_{uuid.uuid4().hex[:8]}", "type": "function",

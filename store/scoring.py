@@ -1,0 +1,161 @@
+"""`stepmill score`: reward functions by configuration, run over completed trajectories.
+
+    [[reward]]
+    name = "math"                                                   # the reward rows' name
+    function = "stepmill.store.reward_functions:math_answer"        # module:function
+    source = "rule"                                                 # rule | model | env | human | api
+    where = { channel = "train", "metadata.dataset" = "gsm8k" }     # which trajectories (all if absent)
+    options = { answer_key = "answer" }                             # keyword arguments of the function
+
+A function gets the trajectory — ``id``, ``group_id``, ``channel``, ``metadata``, ``messages`` (the
+last step's whole conversation), ``completion`` (its final answer), ``steps`` — and returns a score,
+(score, details) or {"score": …, "details": …}. Each completed trajectory is scored once per
+reward name; a function that raises is recorded (a reward row without a value, the error in its
+details) and the run goes on; it is tried again next run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import tomllib
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from tqdm import tqdm
+
+from . import curation
+from .codecs import dumps, loads
+from .db import Store, now_iso
+
+SPEC_KEYS = {"name", "function", "source", "where", "options"}
+
+
+class ConfigError(ValueError):
+    """A reward configuration that cannot be used, with the key that is wrong."""
+
+
+@dataclass
+class RewardSpec:
+    name: str
+    function: Callable
+    source: str = "rule"
+    where: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
+
+
+def load_config(path: str | Path) -> list[RewardSpec]:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    unknown = set(data) - {"reward"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r}; rewards go in [[reward]] tables")
+    specs = []
+    for i, entry in enumerate(data.get("reward") or []):
+        where = f"{path}: [[reward]] #{i + 1}"
+        extra = set(entry) - SPEC_KEYS
+        if extra:
+            raise ConfigError(f"{where}: unknown key {sorted(extra)[0]!r}; expected some of {', '.join(sorted(SPEC_KEYS))}")
+        for key in ("name", "function"):
+            if not isinstance(entry.get(key), str) or not entry[key]:
+                raise ConfigError(f"{where}: {key!r} is required (a string)")
+        if entry.get("source", "rule") not in curation.SOURCES:
+            raise ConfigError(f"{where}: 'source' must be one of {', '.join(curation.SOURCES)}")
+        module_name, _, attribute = entry["function"].partition(":")
+        try:
+            function = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ConfigError(f"{where}: function {entry['function']!r} cannot be loaded ({exc})") from None
+        for key in ("where", "options"):
+            if not isinstance(entry.get(key, {}), dict):
+                raise ConfigError(f"{where}: {key!r} must be a table")
+        specs.append(RewardSpec(entry["name"], function, entry.get("source", "rule"), entry.get("where", {}),
+                                entry.get("options", {})))
+    if not specs:
+        raise ConfigError(f"{path}: no [[reward]] tables")
+    return specs
+
+
+def _matches(trajectory: dict, where: dict) -> bool:
+    for key, wanted in where.items():
+        value: Any = trajectory
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value != wanted:
+            return False
+    return True
+
+
+def trajectory_input(store: Store, row: dict) -> dict:
+    """What a reward function receives."""
+    steps = list(store.iter_steps("s.trajectory_id = ?", [row["id"]], with_tokens=False))
+    steps.sort(key=lambda s: (s["step_index"] is None, s["step_index"]))
+    last = steps[-1] if steps else {}
+    return {"id": row["id"], "group_id": row["group_id"], "channel": row["channel"],
+            "metadata": loads(row["metadata"]) or {}, "messages": (last.get("messages") or []) +
+            ([last["completion"]] if last.get("completion") else []),
+            "completion": last.get("completion"), "steps": steps}
+
+
+@dataclass
+class ScoreReport:
+    scored: int = 0
+    failed: int = 0
+    skipped: int = 0
+
+
+def score(store: Store, specs: list[RewardSpec], *, where: str | None = None, params: Any = (),
+          batch_size: int = 32, progress: bool | None = None) -> dict[str, ScoreReport]:
+    """Score completed trajectories without a value from each reward yet; one transaction per batch."""
+    condition = "t.status = 'complete'" + (f" AND ({where})" if where else "")
+    rows = store.query(f"SELECT t.* FROM trajectories t WHERE {condition} ORDER BY t.created_at", params)
+    reports = {}
+    for spec in specs:
+        report = reports[spec.name] = ScoreReport()
+        done = {r["target_id"] for r in store.query(
+            "SELECT target_id FROM rewards WHERE target_kind = 'trajectory' AND name = ? AND value IS NOT NULL",
+            [spec.name])}
+        todo = [row for row in rows if row["id"] not in done]
+        bar = tqdm(total=len(todo), desc=spec.name, unit="trajectory",
+                   disable=(not progress) if progress is not None else None)
+        for start in range(0, len(todo), batch_size):
+            results = []
+            for row in todo[start:start + batch_size]:
+                trajectory = trajectory_input(store, row)
+                if not _matches(trajectory, spec.where):
+                    report.skipped += 1
+                    continue
+                results.append((row["id"], *_run(spec, trajectory)))
+            with store.write() as conn:
+                for trajectory_id, value, details in results:
+                    curation.add_reward(conn, "trajectory", trajectory_id, value, source=spec.source, name=spec.name,
+                                        details=dumps(details), created_at=now_iso())
+                    if value is None:
+                        report.failed += 1
+                    else:
+                        report.scored += 1
+            bar.update(min(batch_size, len(todo) - start))
+        bar.close()
+    return reports
+
+
+def _run(spec: RewardSpec, trajectory: dict) -> tuple[float | None, dict | None]:
+    """(value, details); a failure is (None, the error) and never stops the run."""
+    try:
+        result = spec.function(trajectory, **spec.options)
+        details = None
+        if isinstance(result, dict):
+            result, details = result.get("score"), result.get("details")
+        elif isinstance(result, tuple):
+            result, details = result
+        value = float(result)
+        if not math.isfinite(value):
+            raise ValueError(f"the score is {value}")
+        return value, details
+    except Exception as exc:
+        return None, {"error": f"{type(exc).__name__}: {exc}",
+                      "traceback": traceback.format_exc(limit=3)[-2000:]}
