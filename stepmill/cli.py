@@ -121,13 +121,33 @@ def addon_path():
     click.echo(SCRIPT)
 
 
+@main.command()
+@DB_OPTION
+@click.argument("name")
+@click.option("--url", default="http://127.0.0.1:8001", show_default=True, help="Where `stepmill ui` serves.")
+def reviewer(db, name, url):
+    """Create (or replace) a named reviewer's sign-in link for `stepmill ui`."""
+    from .store import reviewers
+    from .store.db import now_iso
+
+    store = open_writer(db)
+    with store.write() as conn:
+        token = reviewers.create(conn, name, now_iso())
+    click.echo(f"{url.rstrip('/')}/-/stepmill/sign-in?token={token}")
+    click.echo(f"(give it to {name} only; running this again replaces it)", err=True)
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 @DB_OPTION
 @click.option("--port", default=8001, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.argument("datasette_args", nargs=-1, type=click.UNPROCESSED)
 def ui(db, port, host, datasette_args):
-    """Browse, review and curate the steps in Datasette."""
+    """Browse, review and curate the steps in Datasette.
+
+    It prints a one-time sign-in link for you; anyone else reads only, unless given a reviewer link
+    (`stepmill reviewer NAME`). Bound beyond localhost, nobody reads without signing in.
+    """
     from .store import Store
     from .store.ui import serve_args
 

@@ -1,8 +1,13 @@
-"""Datasette plugin: readable views of a step's conversation and of a whole trajectory.
+"""Datasette plugin: readable views of steps and trajectories, reviews, and the lifecycle page.
 
 Routes (HTML, or JSON with a .json suffix):
   /-/stepmill/steps/<step_id>
   /-/stepmill/trajectories/<trajectory_id>
+  /-/stepmill/lifecycle
+  /-/stepmill/sign-in?token=…       a named reviewer's token (``stepmill reviewer NAME``) → signed in
+  POST /-/stepmill/review           a signed-in reviewer's label / trainable / tag / note / reward
+
+Anonymous visitors read; only a signed-in actor (Datasette's root, or a named reviewer) writes.
 """
 
 from __future__ import annotations
@@ -10,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from urllib.parse import quote
 
 from datasette import hookimpl
 from datasette.utils.asgi import Response
 from markupsafe import Markup, escape
 
+from . import reviewers
 from .db import Store
+from .lifecycle import STAGES, lifecycle
 from .linking import content_text
 
 _stores: dict[str, Store] = {}
@@ -52,7 +60,7 @@ async def _call(datasette, request, fn, *args):
 def _load_step(store: Store, step_id: str) -> dict:
     record = store.step(step_id)
     shared = store.query("SELECT messages_base_len FROM steps WHERE id = ?", [step_id])[0]["messages_base_len"]
-    return {"step": record, "shared": shared or 0}
+    return {"step": record, "shared": shared or 0, "curation": store.curation(step_id), "target": step_id}
 
 
 def _load_trajectory(store: Store, trajectory_id: str) -> dict:
@@ -66,11 +74,22 @@ def _load_trajectory(store: Store, trajectory_id: str) -> dict:
         record["new_messages"] = record["messages"][shared[record["step_id"]]:]
         steps.append(record)
     steps.sort(key=lambda r: (r["step_index"] is None, r["step_index"]))
-    return {"trajectory": trajectory, "steps": steps}
+    for record in steps:
+        record["review"] = store.curation(record["step_id"])["review"]
+    tools = next((s["tools"] for s in steps if s.get("tools")), None)
+    return {"trajectory": trajectory, "steps": steps, "tools": tools, "curation": store.curation(trajectory_id),
+            "target": trajectory_id}
+
+
+async def _readable(datasette, request) -> bool:
+    """Our pages follow the instance's view permission (bound beyond localhost: signed-in actors only)."""
+    return await datasette.allowed(action="view-instance", actor=request.actor)
 
 
 async def _view(datasette, request, what: str, load, key: str, template: str, as_data):
     """One readable page: HTML from ``template``, or JSON (``as_data`` of the loaded context) with .json."""
+    if not await _readable(datasette, request):
+        return Response.html("<h1>Sign in to read</h1>", status=403)
     as_json = bool(request.url_vars.get("ext"))
     try:
         db_name, context = await _call(datasette, request, load, request.url_vars[key])
@@ -78,7 +97,8 @@ async def _view(datasette, request, what: str, load, key: str, template: str, as
         return _not_found(f"{what} {request.url_vars[key]}", as_json)
     if as_json:
         return Response.json(as_data(context), default=str)
-    return Response.html(await datasette.render_template(template, {**context, "db_name": db_name}, request=request))
+    context = {**context, "db_name": db_name, "actor": request.actor, "next": request.path}
+    return Response.html(await datasette.render_template(template, context, request=request))
 
 
 def _not_found(what: str, as_json: bool):
@@ -97,11 +117,68 @@ async def trajectory_view(datasette, request):
                        "stepmill_trajectory.html", lambda context: context)
 
 
+async def lifecycle_view(datasette, request):
+    if not await _readable(datasette, request):
+        return Response.html("<h1>Sign in to read</h1>", status=403)
+    db_name, data = await _call(datasette, request, lambda store: lifecycle(store.db.conn))
+    if request.url_vars.get("ext"):
+        return Response.json(data)
+    return Response.html(await datasette.render_template(
+        "stepmill_lifecycle.html", {"data": data, "stages": STAGES, "db_name": db_name}, request=request))
+
+
+async def sign_in(datasette, request):
+    """A named reviewer's token becomes Datasette's signed actor cookie."""
+    token = request.args.get("token") or ""
+    _, name = await _call(datasette, request, lambda store: reviewers.who(store.db.conn, token))
+    if not name:
+        return Response.html("<h1>Unknown or replaced reviewer token</h1>", status=403)
+    response = Response.redirect("/-/stepmill/lifecycle")
+    response.set_cookie("ds_actor", datasette.sign({"a": {"id": name, "stepmill": "reviewer"}}, "actor"),
+                        httponly=True, samesite="lax")
+    return response
+
+
+REVIEW_ACTIONS = ("label", "trainable", "tag", "note", "reward")
+
+
+async def review(datasette, request):
+    """A reviewer's decision from a step or trajectory page: one append-only row, then back to the page."""
+    if request.method != "POST":
+        return Response.text("POST a form", status=405)
+    actor = request.actor
+    if not actor or not actor.get("id"):
+        return Response.html("<h1>Sign in to review</h1><p>Anonymous visitors can read, not write.</p>",
+                             status=403)
+    form = await request.post_vars()
+    target, action, value = form.get("target", ""), form.get("action", ""), (form.get("value") or "").strip()
+    if action not in REVIEW_ACTIONS:
+        return Response.text(f"unknown action {action!r}", status=400)
+
+    def write(store: Store):
+        if action == "reward":
+            return store.add_reward(target, float(value), source="human", name=str(actor["id"]),
+                                    note=(form.get("note") or None))
+        return store.add_review(target, action, value or None, reviewer=str(actor["id"]))
+
+    try:
+        await _call(datasette, request, write)
+    except KeyError:
+        return Response.text(f"no step or trajectory {target!r}", status=404)
+    except ValueError as exc:
+        return Response.text(str(exc), status=400)
+    following = form.get("next") or "/"
+    return Response.redirect(following if following.startswith("/-/stepmill/") else "/")
+
+
 @hookimpl
 def register_routes():
     return [
         (r"^/-/stepmill/steps/(?P<step_id>[^/]+?)(?P<ext>\.json)?$", step_view),
         (r"^/-/stepmill/trajectories/(?P<trajectory_id>[^/]+?)(?P<ext>\.json)?$", trajectory_view),
+        (r"^/-/stepmill/lifecycle(?P<ext>\.json)?$", lifecycle_view),
+        (r"^/-/stepmill/sign-in$", sign_in),
+        (r"^/-/stepmill/review$", review),
     ]
 
 
@@ -109,6 +186,8 @@ def register_routes():
 def prepare_jinja2_environment(env):
     env.filters["stepmill_text"] = content_text
     env.filters["stepmill_pretty_args"] = _pretty_arguments
+    env.filters["stepmill_quote"] = lambda value: quote(str(value), safe="")
+    env.filters["stepmill_json"] = lambda value: json.dumps(value, indent=2, ensure_ascii=False, default=str)
 
 
 def _pretty_arguments(arguments):

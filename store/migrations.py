@@ -147,11 +147,62 @@ def _m004_curation(db: sqlite_utils.Database) -> None:
                " FROM trajectories WHERE reward IS NOT NULL")
 
 
+STEP_QUALITY = """
+CREATE VIEW step_quality AS
+SELECT s.id, s.trajectory_id, s.group_id, s.model, s.api, s.channel,
+  s.finish_reason IN ('length', 'max_tokens', 'max_output_tokens') AS truncated,
+  s.status AS status,
+  (s.completion IS NULL OR (json_extract(s.completion, '$.content') IN ('', NULL)
+     AND json_array_length(coalesce(json_extract(s.completion, '$.tool_calls'), '[]')) = 0)) AS empty_completion,
+  s.token_provenance,
+  coalesce(s.consistency, 'unknown') AS consistency,
+  s.system_changed,
+  (s.continuation_key IS NOT NULL AND EXISTS (SELECT 1 FROM steps d WHERE d.continuation_key = s.continuation_key
+     AND d.id != s.id)) AS duplicate,
+  (s.reward IS NOT NULL OR t.reward IS NOT NULL) AS reward_present,
+  CASE WHEN s.policy_version IS NULL OR (SELECT value FROM state WHERE key = 'policy_version') IS NULL THEN NULL
+       WHEN s.policy_version = (SELECT value FROM state WHERE key = 'policy_version') THEN 0
+       WHEN CAST(s.policy_version AS INTEGER) || '' = s.policy_version
+            AND CAST((SELECT value FROM state WHERE key = 'policy_version') AS INTEGER) || ''
+                = (SELECT value FROM state WHERE key = 'policy_version')
+         THEN CAST((SELECT value FROM state WHERE key = 'policy_version') AS INTEGER) - CAST(s.policy_version AS INTEGER)
+       ELSE 1 END AS staleness,
+  t.status = 'complete' AS trajectory_complete,
+  s.started_at
+FROM steps s LEFT JOIN trajectories t ON t.id = s.trajectory_id
+"""
+
+TRAJECTORY_QUALITY = """
+CREATE VIEW trajectory_quality AS
+SELECT t.id, t.group_id, t.channel, t.status, t.reward, count(q.id) AS steps,
+  sum(q.status != 'ok') AS failed_steps, sum(q.truncated) AS truncated_steps,
+  sum(q.empty_completion) AS empty_steps, sum(q.consistency = 'divergent') AS divergent_steps,
+  sum(q.duplicate) AS duplicate_steps, sum(q.token_provenance = 'exact') AS exact_id_steps,
+  max(q.staleness) AS max_staleness,
+  (SELECT value FROM reviews r WHERE r.target_kind = 'trajectory' AND r.target_id = t.id AND r.action = 'label'
+   ORDER BY r.id DESC LIMIT 1) AS label,
+  t.created_at
+FROM trajectories t LEFT JOIN step_quality q ON q.trajectory_id = t.id
+GROUP BY t.id
+"""
+
+
+def _m005_quality_and_search(db: sqlite_utils.Database) -> None:
+    # Quality signals are views: always current (a later reward, review or policy version counts at once).
+    db.execute(STEP_QUALITY)
+    db.execute(TRAJECTORY_QUALITY)
+    # Full-text search over conversations and completions (their JSON text), kept current by triggers.
+    db["steps"].enable_fts(["messages_suffix", "completion"], create_triggers=True, tokenize="unicode61")
+    # Named reviewers sign in to the UI with a token; only its hash is kept.
+    db["reviewers"].create({"name": str, "token_hash": str, "created_at": str}, pk="name")
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("capture", _m001_capture),
     ("tokens", _m002_tokens),
     ("linking", _m003_linking),
     ("curation", _m004_curation),
+    ("quality_and_search", _m005_quality_and_search),
 ]
 
 
