@@ -60,7 +60,37 @@ async def _call(datasette, request, fn, *args):
 def _load_step(store: Store, step_id: str) -> dict:
     record = store.step(step_id)
     shared = store.query("SELECT messages_base_len FROM steps WHERE id = ?", [step_id])[0]["messages_base_len"]
-    return {"step": record, "shared": shared or 0, "curation": store.curation(step_id), "target": step_id}
+    return {"step": record, "shared": shared or 0, "curation": store.curation(step_id), "target": step_id,
+            "drift": _drift(store, record)}
+
+
+_tokenizers: dict = {}
+
+
+def _drift(store: Store, record: dict, width: int = 8) -> dict | None:
+    """Where a child stops continuing its parent's ids: the tokens around it, side by side, decoded
+    with the step's tokenizer when it is on this machine."""
+    check = record["token_check"]
+    if check["consistency"] != "divergent" or not record["parent_step_id"] or record["prompt_ids"] is None:
+        return None
+    prompt, response, _ = store.token_sequences(record["parent_step_id"])
+    parent = list(prompt) + list(response)
+    pos = check["divergence_pos"] or 0
+    start = max(0, pos - width)
+    sides = {"parent": [int(t) for t in parent[start:pos + width]], "child": record["prompt_ids"][start:pos + width]}
+    decoded = None
+    name = check["tokenizer"]
+    if name:
+        try:
+            if name not in _tokenizers:
+                from stepmill.trainer_bridge import load_tokenizer
+
+                _tokenizers[name] = load_tokenizer(name)
+            tokenizer = _tokenizers[name]
+            decoded = {side: [tokenizer.decode([t]) for t in ids] for side, ids in sides.items()}
+        except Exception:
+            decoded = None  # the tokenizer is not here: ids only
+    return {"pos": pos, "start": start, **sides, "decoded": decoded}
 
 
 def _load_trajectory(store: Store, trajectory_id: str) -> dict:

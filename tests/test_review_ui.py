@@ -116,3 +116,49 @@ def test_bound_beyond_localhost_nothing_is_shown_to_anonymous_visitors(tmp_path)
     assert "--root" in args
     serve_args(tmp_path / "x.db", tmp_path, host="127.0.0.1", port=8001)
     assert "allow" not in json.loads((tmp_path / "datasette.json").read_text())
+
+
+def test_beyond_localhost_anonymous_visitors_see_nothing(proxy):
+    port = free_port()
+    process = subprocess.Popen(STEPMILL + ["ui", "--db", str(proxy.db), "--host", "0.0.0.0", "--port", str(port)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def status(path):
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5).status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:
+            return None
+
+    try:
+        wait_until(lambda: status("/") is not None, timeout=60, what="datasette")
+        name = proxy.db.stem
+        for path in ("/", f"/{name}/steps", f"/{name}?sql=select+raw_request+from+steps", "/-/stepmill/lifecycle"):
+            assert status(path) == 403, path
+    finally:
+        process.terminate()
+        process.wait(15)
+
+
+def test_search_finds_a_command_in_conversations(proxy, marker, ui_with_link):
+    base, _ = ui_with_link
+    client = openai.OpenAI(api_key="sk-x", base_url="https://api.openai.com/v1", max_retries=0)
+    client.chat.completions.create(model="gpt-test", messages=[
+        {"role": "user", "content": f"clean up with rm -rf build/ {marker}"}])
+    proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"])
+    query = urllib.parse.urlencode({"q": f'"rm -rf" {marker}', "_shape": "objects"})
+    rows = json.loads(urllib.request.urlopen(f"{base}/{proxy.db.stem}/search.json?{query}", timeout=10).read())["rows"]
+    assert len(rows) >= 1 and all("rm -rf" in r["match"].replace("[", "").replace("]", "") for r in rows)
+
+
+def test_a_drift_is_shown_where_it_is(proxy, marker, ui_with_link):
+    base, _ = ui_with_link
+    client = proxy.client()
+    run = client.start_trajectory(trajectory_id=f"drift-{marker}")
+    client.submit_step(trajectory_id=run["trajectory_id"], prompt_ids=[1, 2, 3], response_ids=[4, 5])
+    child = client.submit_step(trajectory_id=run["trajectory_id"], prompt_ids=[1, 2, 3, 4, 9, 6], response_ids=[7])
+    assert child["consistency"] == "divergent" and child["divergence_pos"] == 4
+    page = urllib.request.urlopen(f"{base}/-/stepmill/steps/{child['step_id']}", timeout=10).read().decode()
+    assert "Token drift at position 4" in page
+    assert '<td class="sm-at">5' in page and '<td class="sm-at">9' in page  # parent's token, this prompt's token
