@@ -346,6 +346,52 @@ def score(db, config_path, where, params, batch_size):
                    "they are tried again on the next run", err=True)
 
 
+@main.command()
+@DB_OPTION
+@click.option("--layout", type=click.Choice(["step", "trajectory", "tree"]), default="step", show_default=True)
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for the batches.")
+@WHERE_OPTION
+@PARAM_OPTION
+@click.option("--group", "group_ids", multiple=True, help="With --layout tree: the group(s) to pack.")
+@click.option("--batch-size", default=64, show_default=True)
+@click.option("--max-prompt-length", default=4096, show_default=True)
+@click.option("--max-response-length", default=2048, show_default=True)
+@click.option("--overlong", type=click.Choice(["drop", "truncate"]), default="drop", show_default=True)
+def batches(db, layout, out_dir, where, params, group_ids, batch_size, max_prompt_length, max_response_length,
+            overlong):
+    """Write curated steps as numpy batches (.npz, with a .json of row metadata and counts)."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from .trainer_bridge import step_batches, trajectory_batch, trajectory_rows, tree_batch
+
+    store = open_reader(db)
+    condition, values = where_clause(where, params)
+    if layout == "step":
+        produced = step_batches(store, where=condition, params=values, batch_size=batch_size,
+                                max_prompt_length=max_prompt_length, max_response_length=max_response_length,
+                                overlong=overlong)
+    elif layout == "trajectory":
+        rows, report = trajectory_rows(store, where=condition, params=values)
+        produced = (trajectory_batch(rows[i:i + batch_size], report if i == 0 else None)
+                    for i in range(0, max(len(rows), 1), batch_size))
+    else:
+        if not group_ids:
+            raise click.UsageError("--layout tree packs groups: give --group (one or more)")
+        produced = (tree_batch(store, group)[1] for group in group_ids)
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for index, batch in enumerate(produced):
+        np.savez(folder / f"batch-{index:05d}.npz", **batch.tensors)
+        (folder / f"batch-{index:05d}.json").write_text(json.dumps({"meta": batch.meta, "report": batch.report}))
+        total += len(batch)
+        counts = ", ".join(f"{k} {v}" for k, v in batch.report.items() if k != "rows")
+        click.echo(f"batch {index}: {len(batch)} rows" + (f" ({counts})" if counts else ""), err=True)
+    click.echo(f"{total} rows in {folder}", err=True)
+
+
 @main.command("policy-version")
 @DB_OPTION
 @click.argument("version", required=False)

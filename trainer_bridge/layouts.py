@@ -1,0 +1,209 @@
+"""Curated steps as trainer batches (numpy), read through the curation gate.
+
+- ``step_batches``: one row per step in verl's names: ``prompts`` (left-padded), ``responses``
+  (right-padded), ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``,
+  ``rollout_log_probs``, ``token_level_scores`` (the effective reward on the last response token),
+  and per row ``uid`` (group), ``trajectory_id``, ``step_id``, ``step_index``, ``policy_version``.
+- ``trajectory_rows``: a trajectory whose steps continue each other token-exactly is one row;
+  ``response_mask`` covers only what the model sampled (tool results, user turns and template
+  tokens between turns are context). Where a step does not continue its parent, a new row starts.
+- ``tree_batch``: every sequence of a group packed once (see ``prefix_tree``).
+
+Nothing is dropped silently: steps without ids, overlong rows (dropped or truncated, by an
+explicit policy) and row breaks are counted in each batch's ``report``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from stepmill.store.db import Store
+
+from .prefix_tree import PackedTree, pack_tree
+
+OVERLONG = ("drop", "truncate")
+
+
+@dataclass
+class Batch:
+    tensors: dict[str, np.ndarray]
+    meta: dict[str, list]
+    report: Counter = field(default_factory=Counter)
+
+    def __len__(self) -> int:
+        return len(self.meta.get("step_id") or self.meta.get("trajectory_id") or [])
+
+    def to_torch(self) -> dict:
+        """The same arrays as torch tensors, sharing memory (torch is an optional extra)."""
+        import torch
+
+        return {name: torch.from_numpy(array) for name, array in self.tensors.items()}
+
+
+def _steps(store: Store, where: str | None, params: Any) -> Iterator[dict]:
+    yield from store.iter_steps(where, params, with_tokens=True, gate=True)
+
+
+def step_batches(store: Store, *, where: str | None = None, params: Any = (), batch_size: int = 64,
+                 max_prompt_length: int = 4096, max_response_length: int = 2048, overlong: str = "drop",
+                 pad_id: int = 0) -> Iterator[Batch]:
+    """Gated steps with token ids, ``batch_size`` rows at a time."""
+    if overlong not in OVERLONG:
+        raise ValueError(f"overlong must be one of {OVERLONG}")
+    rows, report = [], Counter()
+    for step in _steps(store, where, params):
+        if step["prompt_ids"] is None or step["response_ids"] is None:
+            report["left out: no token ids (run stepmill tokenize)"] += 1
+            continue
+        prompt, response = step["prompt_ids"], step["response_ids"]
+        logprobs = step["logprobs"]
+        if len(prompt) > max_prompt_length or len(response) > max_response_length:
+            if overlong == "drop":
+                report["dropped: overlong"] += 1
+                continue
+            report["truncated: overlong"] += 1
+            prompt = prompt[-max_prompt_length:]  # keep the end of the prompt, next to the response
+            response = response[:max_response_length]
+            logprobs = logprobs[:max_response_length] if logprobs is not None else None
+        rows.append((step, prompt, response, logprobs))
+        if len(rows) == batch_size:
+            yield _step_batch(rows, report, pad_id)
+            rows, report = [], Counter()
+    if rows or report:
+        yield _step_batch(rows, report, pad_id)
+
+
+def _step_batch(rows: list, report: Counter, pad_id: int) -> Batch:
+    n = len(rows)
+    p = max((len(r[1]) for r in rows), default=0)
+    r = max((len(r[2]) for r in rows), default=0)
+    prompts = np.full((n, p), pad_id, dtype=np.int64)
+    responses = np.full((n, r), pad_id, dtype=np.int64)
+    prompt_mask = np.zeros((n, p), dtype=np.int64)
+    response_mask = np.zeros((n, r), dtype=np.int64)
+    log_probs = np.zeros((n, r), dtype=np.float32)
+    scores = np.zeros((n, r), dtype=np.float32)
+    meta: dict[str, list] = {k: [] for k in ("uid", "trajectory_id", "step_id", "step_index", "policy_version")}
+    for i, (step, prompt, response, logprobs) in enumerate(rows):
+        if len(prompt):
+            prompts[i, p - len(prompt):] = prompt
+            prompt_mask[i, p - len(prompt):] = 1
+        responses[i, :len(response)] = response
+        response_mask[i, :len(response)] = 1
+        if logprobs is not None:
+            log_probs[i, :len(logprobs)] = logprobs
+        if step["reward"] is not None and len(response):
+            scores[i, len(response) - 1] = step["reward"]
+        meta["uid"].append(step["group_id"])
+        meta["trajectory_id"].append(step["trajectory_id"])
+        meta["step_id"].append(step["step_id"])
+        meta["step_index"].append(step["step_index"])
+        meta["policy_version"].append(step["policy_version"])
+    attention_mask = np.concatenate([prompt_mask, response_mask], axis=1)
+    position_ids = np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None)
+    tensors = {"prompts": prompts, "responses": responses, "input_ids": np.concatenate([prompts, responses], axis=1),
+               "attention_mask": attention_mask, "position_ids": position_ids, "response_mask": response_mask,
+               "rollout_log_probs": log_probs, "token_level_scores": scores}
+    report["rows"] += n
+    return Batch(tensors, meta, report)
+
+
+@dataclass
+class Row:
+    trajectory_id: str
+    group_id: str
+    step_ids: list = field(default_factory=list)
+    ids: list = field(default_factory=list)
+    loss: list = field(default_factory=list)  # 1 where the model sampled the token
+    logprobs: list = field(default_factory=list)
+    reward: float | None = None
+
+
+def trajectory_rows(store: Store, *, where: str | None = None, params: Any = ()) -> tuple[list[Row], Counter]:
+    """One row per token-exact chain of steps; a step that does not continue its parent starts a new row."""
+    report: Counter = Counter()
+    by_trajectory: dict[str, list] = {}
+    for step in _steps(store, where, params):
+        if step["prompt_ids"] is None or step["response_ids"] is None:
+            report["left out: no token ids (run stepmill tokenize)"] += 1
+            continue
+        by_trajectory.setdefault(step["trajectory_id"], []).append(step)
+    rows = []
+    for trajectory_id, steps in by_trajectory.items():
+        steps.sort(key=lambda s: (s["step_index"] is None, s["step_index"]))
+        row = None
+        for step in steps:
+            prompt, response = step["prompt_ids"], step["response_ids"]
+            continues = row is not None and len(prompt) >= len(row.ids) and prompt[:len(row.ids)] == row.ids \
+                and step["parent_step_id"] == row.step_ids[-1]
+            if not continues:
+                if row is not None:
+                    report["new row: a step does not continue its parent token-exactly"] += 1
+                row = Row(trajectory_id, step["group_id"])
+                rows.append(row)
+                context = prompt
+            else:
+                context = prompt[len(row.ids):]  # tool results, user turns, template tokens: context
+            row.ids += list(context) + list(response)
+            row.loss += [0] * len(context) + [1] * len(response)
+            logprobs = step["logprobs"] or [0.0] * len(response)
+            row.logprobs += [0.0] * len(context) + list(logprobs)
+            row.step_ids.append(step["step_id"])
+            row.reward = step["reward"]
+    report["rows"] = len(rows)
+    return rows, report
+
+
+def trajectory_batch(rows: list[Row], report: Counter | None = None, pad_id: int = 0) -> Batch:
+    """Right-padded rows: input_ids, attention_mask, position_ids, response_mask (sampled tokens only),
+    rollout_log_probs, token_level_scores (the reward on the row's last sampled token)."""
+    n, width = len(rows), max((len(r.ids) for r in rows), default=0)
+    input_ids = np.full((n, width), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((n, width), dtype=np.int64)
+    response_mask = np.zeros((n, width), dtype=np.int64)
+    log_probs = np.zeros((n, width), dtype=np.float32)
+    scores = np.zeros((n, width), dtype=np.float32)
+    for i, row in enumerate(rows):
+        k = len(row.ids)
+        input_ids[i, :k] = row.ids
+        attention_mask[i, :k] = 1
+        response_mask[i, :k] = row.loss
+        log_probs[i, :k] = row.logprobs
+        sampled = np.flatnonzero(row.loss)
+        if row.reward is not None and len(sampled):
+            scores[i, sampled[-1]] = row.reward
+    tensors = {"input_ids": input_ids, "attention_mask": attention_mask,
+               "position_ids": np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None),
+               "response_mask": response_mask, "rollout_log_probs": log_probs, "token_level_scores": scores}
+    meta = {"uid": [r.group_id for r in rows], "trajectory_id": [r.trajectory_id for r in rows],
+            "step_ids": [r.step_ids for r in rows]}
+    return Batch(tensors, meta, Counter(report or {}))
+
+
+def tree_batch(store: Store, group_id: str, *, rows: bool = False) -> tuple[PackedTree, Batch]:
+    """A group packed as one tree: every step (prompt + response, loss on the response), or with
+    ``rows`` every trajectory row (loss on sampled tokens)."""
+    if rows:
+        trajectory, report = trajectory_rows(store, where="s.group_id = ?", params=[group_id])
+        sequences = [r.ids for r in trajectory]
+        masks = [r.loss for r in trajectory]
+        meta = {"trajectory_id": [r.trajectory_id for r in trajectory], "step_ids": [r.step_ids for r in trajectory]}
+    else:
+        report, sequences, masks, meta = Counter(), [], [], {"step_id": []}
+        for step in _steps(store, "s.group_id = ?", [group_id]):
+            if step["prompt_ids"] is None or step["response_ids"] is None:
+                report["left out: no token ids (run stepmill tokenize)"] += 1
+                continue
+            sequences.append(step["prompt_ids"] + step["response_ids"])
+            masks.append([0] * len(step["prompt_ids"]) + [1] * len(step["response_ids"]))
+            meta["step_id"].append(step["step_id"])
+    tree = pack_tree(sequences, masks)
+    report["token_ratio_permille"] = round(tree.token_ratio * 1000)
+    tensors = {"input_ids": tree.input_ids, "position_ids": tree.position_ids, "subtree_end": tree.subtree_end,
+               "loss_mask": tree.loss_mask, "loss_count": tree.loss_count, "seq_offsets": tree.seq_offsets,
+               "seq_positions": tree.seq_positions}
+    return tree, Batch(tensors, meta, report)
