@@ -1,4 +1,4 @@
-"""The lifecycle in numbers: collected → tokenized → scored → reviewed → trainable (→ consumed).
+"""The lifecycle in numbers: collected → tokenized → scored → reviewed → trainable → consumed.
 
 Overall and per agent (its user-agent), model and channel, for the UI's lifecycle page.
 """
@@ -40,5 +40,12 @@ def lifecycle(conn) -> dict:
         "'trajectory' AND r.target_id = t.id AND r.value IS NOT NULL)), count(DISTINCT group_id) FROM trajectories t"
     ).fetchone()))
     out["by_provenance"] = dict(conn.execute("SELECT token_provenance, count(*) FROM steps GROUP BY 1").fetchall())
-    out["consumed"] = None  # the trainer bridge's consumption stream records this once it exists
+    cursor = conn.execute("SELECT consumer, count(*) AS groups, coalesce(sum(rows), 0) AS rows, max(acked_at) AS last "
+                          "FROM consumption WHERE status = 'acked' GROUP BY consumer ORDER BY last DESC")
+    columns = [d[0] for d in cursor.description]
+    by_consumer = [dict(zip(columns, row)) for row in cursor]
+    out["consumed"] = {"groups": sum(r["groups"] for r in by_consumer), "rows": sum(r["rows"] for r in by_consumer),
+                       "by_consumer": by_consumer,
+                       "leased": conn.execute("SELECT count(*) FROM consumption WHERE status = 'leased'").fetchone()[0],
+                       "stale": conn.execute("SELECT count(*) FROM consumption WHERE status = 'stale'").fetchone()[0]}
     return out

@@ -197,12 +197,23 @@ def _m005_quality_and_search(db: sqlite_utils.Database) -> None:
     db["reviewers"].create({"name": str, "token_hash": str, "created_at": str}, pk="name")
 
 
+def _m006_consumption(db: sqlite_utils.Database) -> None:
+    # Each group is handed out once: leased to a consumer, then acknowledged (or leased again when
+    # the lease runs out because the consumer died).
+    db["consumption"].create({
+        "group_id": str, "channel": str, "consumer": str, "claimed_at": str, "lease_until": float,
+        "acked_at": str, "rows": int, "status": str,  # leased | acked | stale
+    }, pk="group_id")
+    db["consumption"].create_index(["status"])
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("capture", _m001_capture),
     ("tokens", _m002_tokens),
     ("linking", _m003_linking),
     ("curation", _m004_curation),
     ("quality_and_search", _m005_quality_and_search),
+    ("consumption", _m006_consumption),
 ]
 
 

@@ -1,0 +1,88 @@
+"""The consumption stream: whole groups, each handed out once across consumers, leases that run out,
+restarts that resume, staleness and channels."""
+
+import threading
+import time
+
+from stepmill.store import Store
+from stepmill.trainer_bridge.consume import Consumer
+
+
+def _group(client, group, n, *, channel="train", complete=True, version=None):
+    for i in range(n):
+        run = client.start_trajectory(group_id=group, channel=channel)
+        client.submit_step(trajectory_id=run["trajectory_id"], prompt_ids=[1, 2, 3, i], response_ids=[4, 5],
+                           logprobs=[-0.1, -0.2], **({"policy_version": version} if version is not None else {}))
+        if complete:
+            client.complete_trajectory(run["trajectory_id"], reward=float(i))
+
+
+def test_groups_are_handed_out_once_to_concurrent_consumers(proxy, marker):
+    client = proxy.client()
+    channel = f"c-{marker}"
+    groups = [f"{marker}-g{i}" for i in range(6)]
+    for group in groups:
+        _group(client, group, 2, channel=channel)
+    _group(client, f"{marker}-open", 2, channel=channel, complete=False)  # not ready: rollouts still open
+    _group(client, f"{marker}-small", 1, channel=channel)  # not ready: fewer than n
+    _group(client, f"{marker}-val", 2, channel=f"val-{marker}")  # another channel: never mixed in
+    got: dict[str, list] = {"a": [], "b": []}
+
+    def consume(name):
+        consumer = Consumer(Store(proxy.db), name, n=2, channel=channel)
+        for batch in consumer:
+            assert len(batch) == 2 and set(batch.meta["uid"]) == {batch.meta["group_id"]}
+            assert batch.tensors["token_level_scores"].sum() == 1.0  # rewards 0 and 1 on the last tokens
+            got[name].append(batch.meta["group_id"])
+            consumer.ack(batch)
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=consume, args=(name,)) for name in got]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(got["a"] + got["b"]) == sorted(groups)
+    assert not set(got["a"]) & set(got["b"])
+
+
+def test_a_dead_consumers_group_comes_back_and_a_restart_resumes(proxy, marker):
+    client = proxy.client()
+    channel = f"l-{marker}"
+    _group(client, f"{marker}-x", 2, channel=channel)
+    _group(client, f"{marker}-y", 2, channel=channel)
+    dying = Consumer(Store(proxy.db), "dying", n=2, channel=channel, lease_seconds=0.3)
+    held = dying.claim()  # ... and the process dies without acknowledging
+    other = Consumer(Store(proxy.db), "other", n=2, channel=channel, lease_seconds=0.3)
+    second = other.claim()
+    assert second.meta["group_id"] != held.meta["group_id"]
+    other.ack(second)
+    assert other.claim() is None  # the dead consumer's lease still runs
+    time.sleep(0.4)
+    taken_over = other.claim()
+    assert taken_over.meta["group_id"] == held.meta["group_id"]
+    other.ack(taken_over)
+
+    restarted = Consumer(Store(proxy.db), "restarts", n=2, channel=channel)
+    _group(client, f"{marker}-z", 2, channel=channel)
+    first = restarted.claim()
+    again = Consumer(Store(proxy.db), "restarts", n=2, channel=channel).claim()  # same name, after a restart
+    assert again.meta["group_id"] == first.meta["group_id"] == f"{marker}-z"
+    rows = proxy.store().query("SELECT consumer, status FROM consumption WHERE group_id LIKE ?", [f"{marker}-%"])
+    assert sorted((r["consumer"], r["status"]) for r in rows) == [("other", "acked"), ("other", "acked"),
+                                                                ("restarts", "leased")]
+
+
+def test_stale_groups_are_set_aside_and_counted(proxy, marker):
+    client = proxy.client()
+    channel = f"s-{marker}"
+    store = proxy.store()
+    store.set_policy_version(10)
+    old = client.start_trajectory(group_id=f"{marker}-old", channel=channel)
+    store.db.conn.execute("UPDATE trajectories SET policy_version = '2' WHERE id = ?", [old["trajectory_id"]])
+    client.complete_trajectory(old["trajectory_id"])
+    _group(client, f"{marker}-new", 1, channel=channel)
+    consumer = Consumer(Store(proxy.db), "fresh", n=1, channel=channel, max_staleness=3)
+    batch = consumer.claim()
+    assert batch.meta["group_id"] == f"{marker}-new" and consumer.report["groups set aside: stale"] == 1
+    store.set_policy_version(None)
