@@ -392,6 +392,25 @@ def batches(db, layout, out_dir, where, params, group_ids, batch_size, max_promp
     click.echo(f"{total} rows in {folder}", err=True)
 
 
+@main.command()
+@DB_OPTION
+@click.option("--port", default=8090, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@CONFDIR_OPTION
+def serve(db, port, host, confdir):
+    """Serve the consumption stream over HTTP (claim / acknowledge, batches as safetensors)."""
+    from .token import ensure_token
+    from .trainer_bridge.serve import make_server
+
+    open_writer(db).close()
+    server = make_server(db, host, port, ensure_token(confdir))
+    click.echo(f"stepmill serve: http://{host}:{port}/v1/claim (write token needed), steps in {db}", err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
 @main.command("policy-version")
 @DB_OPTION
 @click.argument("version", required=False)

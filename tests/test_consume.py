@@ -2,6 +2,7 @@
 restarts that resume, staleness and channels."""
 
 import threading
+import urllib.request
 import time
 
 from stepmill.store import Store
@@ -30,11 +31,10 @@ def test_groups_are_handed_out_once_to_concurrent_consumers(proxy, marker):
 
     def consume(name):
         consumer = Consumer(Store(proxy.db), name, n=2, channel=channel)
-        for batch in consumer:
+        for batch in consumer:  # each next() acknowledges the batch before
             assert len(batch) == 2 and set(batch.meta["uid"]) == {batch.meta["group_id"]}
             assert batch.tensors["token_level_scores"].sum() == 1.0  # rewards 0 and 1 on the last tokens
             got[name].append(batch.meta["group_id"])
-            consumer.ack(batch)
             time.sleep(0.01)
 
     threads = [threading.Thread(target=consume, args=(name,)) for name in got]
@@ -86,3 +86,43 @@ def test_stale_groups_are_set_aside_and_counted(proxy, marker):
     batch = consumer.claim()
     assert batch.meta["group_id"] == f"{marker}-new" and consumer.report["groups set aside: stale"] == 1
     store.set_policy_version(None)
+
+
+def test_a_remote_trainer_pulls_over_http(proxy, marker):
+    import subprocess
+    import urllib.error
+
+    import pytest
+
+    from stepmill.trainer_bridge.serve import RemoteConsumer
+
+    from .conftest import STEPMILL, free_port, wait_until
+
+    client = proxy.client()
+    channel = f"r-{marker}"
+    _group(client, f"{marker}-remote", 2, channel=channel)
+    port = free_port()
+    server = subprocess.Popen(STEPMILL + ["serve", "--db", str(proxy.db), "--port", str(port),
+                                          "--confdir", str(proxy.confdir)], stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up():
+            try:
+                return urllib.request.urlopen(url + "/v1/health", timeout=2).status == 200
+            except OSError:
+                return False
+
+        wait_until(up, timeout=30, what="stepmill serve")
+        trainer = RemoteConsumer(url, "remote-0", confdir=str(proxy.confdir), n=2, channel=channel)
+        batches = list(trainer)  # iterating acknowledges each batch as the next is asked for
+        assert [b.meta["group_id"] for b in batches] == [f"{marker}-remote"]
+        assert batches[0].tensors["input_ids"].shape == (2, 6)
+        assert batches[0].tensors["rollout_log_probs"].dtype.name == "float32"
+        assert trainer.claim() is None
+        with pytest.raises(urllib.error.HTTPError) as anonymous:
+            RemoteConsumer(url, "intruder", token="wrong", n=2, channel=channel).claim()
+        assert anonymous.value.code == 401
+    finally:
+        server.terminate()
+        server.wait(10)

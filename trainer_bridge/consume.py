@@ -9,9 +9,9 @@ its own unacknowledged groups. Groups whose steps are older than ``max_staleness
 are set aside as ``stale`` and counted.
 
     consumer = Consumer(Store("stepmill.db"), "trainer-0", n=8)
-    for batch in consumer:                 # or consumer.claim() once
+    for batch in consumer:                 # the next one acknowledges the one before
         train_on(batch.tensors)
-        consumer.ack(batch)
+    # or: batch = consumer.claim(); …; consumer.ack(batch)
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class Consumer:
         self.lease_seconds, self.max_staleness = lease_seconds, max_staleness
         self.layout = {"batch_size": 1 << 30, **layout}  # one batch per group
         self.report: Counter = Counter()
+        self._acked: set = set()
 
     def _stale(self, oldest: str | None, current: str | None) -> bool:
         if self.max_staleness is None or oldest is None or current is None:
@@ -83,6 +84,7 @@ class Consumer:
 
     def ack(self, batch: Batch) -> None:
         group = batch.meta["group_id"]
+        self._acked.add(group)
         with self.store.write() as conn:
             updated = conn.execute("UPDATE consumption SET status = 'acked', acked_at = ?, rows = ? "
                                    "WHERE group_id = ? AND consumer = ? AND status = 'leased'",
@@ -91,9 +93,14 @@ class Consumer:
             raise KeyError(f"group {group!r} is not leased to {self.name!r} (its lease ran out?)")
 
     def __iter__(self) -> Iterator[Batch]:
-        """Ready groups until none is left (acknowledge each with ``ack``)."""
+        """Ready groups until none is left. Asking for the next one acknowledges the one before (a
+        trainer that dies mid-batch never asks, and gets that group back when it restarts)."""
+        previous = None
         while True:
+            if previous is not None and previous.meta["group_id"] not in self._acked:
+                self.ack(previous)
             batch = self.claim()
             if batch is None:
                 return
+            previous = batch
             yield batch

@@ -1,0 +1,159 @@
+"""`stepmill serve`: the consumption stream over HTTP, for a trainer on another machine.
+
+    POST /v1/claim {consumer, n?, channel?, lease_seconds?, max_staleness?}
+         → 200 a safetensors file (the batch's arrays; row metadata and counts in its metadata), or 204
+    POST /v1/ack   {consumer, group_id} → 200
+    GET  /v1/health
+
+Every call but health needs the write token (``Authorization: Bearer``), as the control API does.
+On the trainer's side, ``RemoteConsumer`` (below) is the same iterator as ``Consumer``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import struct
+import threading
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+
+from stepmill.store.db import Store
+
+from .consume import Consumer
+from .layouts import Batch
+
+CLAIM_FIELDS = {"consumer", "n", "channel", "lease_seconds", "max_staleness"}
+
+
+def batch_bytes(batch: Batch) -> bytes:
+    from safetensors.numpy import save
+
+    tensors = {name: np.ascontiguousarray(array) for name, array in batch.tensors.items()}
+    return save(tensors, metadata={"meta": json.dumps(batch.meta, default=str),
+                                   "report": json.dumps(dict(batch.report))})
+
+
+def batch_from_bytes(data: bytes) -> Batch:
+    from collections import Counter
+
+    from safetensors.numpy import load
+
+    (length,) = struct.unpack("<Q", data[:8])
+    metadata = json.loads(data[8:8 + length]).get("__metadata__") or {}
+    return Batch(load(data), json.loads(metadata.get("meta", "{}")), Counter(json.loads(metadata.get("report", "{}"))))
+
+
+def make_server(db_path: str, host: str, port: int, token: str) -> ThreadingHTTPServer:
+    local = threading.local()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _store(self) -> Store:
+            if not hasattr(local, "store"):
+                local.store = Store(db_path)
+            return local.store
+
+        def _answer(self, status: int, body: bytes = b"", content_type: str = "application/json"):
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _error(self, status: int, message: str):
+            self._answer(status, json.dumps({"error": message}).encode())
+
+        def do_GET(self):
+            if self.path.rstrip("/") == "/v1/health":
+                return self._answer(200, b'{"ok": true}')
+            return self._error(404, f"no endpoint {self.path}")
+
+        def do_POST(self):
+            scheme, _, value = (self.headers.get("Authorization") or "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+                return self._error(401, "needs the write token: Authorization: Bearer <token>")
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+            except ValueError:
+                return self._error(400, "body is not JSON")
+            if not isinstance(body, dict) or not isinstance(body.get("consumer"), str) or not body["consumer"]:
+                return self._error(400, "give a consumer name")
+            path = self.path.rstrip("/")
+            if path == "/v1/claim":
+                unknown = set(body) - CLAIM_FIELDS
+                if unknown:
+                    return self._error(400, f"unknown field {sorted(unknown)[0]!r}")
+                consumer = Consumer(self._store(), body["consumer"], **{k: v for k, v in body.items()
+                                                                        if k != "consumer"})
+                batch = consumer.claim()
+                if batch is None:
+                    return self._answer(204)
+                batch.report.update(consumer.report)
+                return self._answer(200, batch_bytes(batch), "application/octet-stream")
+            if path == "/v1/ack":
+                try:
+                    Consumer(self._store(), body["consumer"]).ack(Batch({}, {"group_id": body.get("group_id")}))
+                except KeyError as exc:
+                    return self._error(409, str(exc.args[0]))
+                return self._answer(200, b'{"ok": true}')
+            return self._error(404, f"no endpoint {self.path}")
+
+        def log_message(self, *args):
+            pass
+
+    return ThreadingHTTPServer((host, port), Handler)
+
+
+class RemoteConsumer:
+    """``Consumer`` over HTTP: ``for batch in RemoteConsumer(url, "trainer-0", n=8): …; .ack(batch)``."""
+
+    def __init__(self, url: str, name: str, *, token: str | None = None, confdir: str | None = None,
+                 timeout: float = 120, **params):
+        from stepmill.token import read_token
+
+        self.url, self.name, self.timeout = url.rstrip("/"), name, timeout
+        self.token = token or read_token(confdir)
+        self.params = params
+
+    def _post(self, path: str, body: dict):
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {self.token or ''}"})
+        return urllib.request.urlopen(request, timeout=self.timeout)
+
+    def claim(self) -> Batch | None:
+        with self._post("/v1/claim", {"consumer": self.name, **self.params}) as response:
+            return None if response.status == 204 else batch_from_bytes(response.read())
+
+    def ack(self, batch: Batch) -> None:
+        self._post("/v1/ack", {"consumer": self.name, "group_id": batch.meta["group_id"]}).close()
+
+    def __iter__(self):
+        """Asking for the next batch acknowledges the one before, as ``Consumer`` does."""
+        previous = None
+        while True:
+            if previous is not None:
+                self.ack(previous)
+            batch = self.claim()
+            if batch is None:
+                return
+            previous = batch
+            yield batch
+
+    def as_torch_dataset(self):
+        """A torch ``IterableDataset`` of batches (each acknowledged when the next is asked for)."""
+        import torch
+
+        consumer = self
+
+        class Stream(torch.utils.data.IterableDataset):
+            def __iter__(self):
+                for batch in consumer:
+                    yield batch.to_torch()
+
+        return Stream()
+
+
+__all__ = ["make_server", "RemoteConsumer", "batch_bytes", "batch_from_bytes"]
