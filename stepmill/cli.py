@@ -177,24 +177,38 @@ def where_clause(where: str | None, params: tuple) -> tuple[str | None, dict]:
 
 @main.command()
 @DB_OPTION
-@click.option("--format", "fmt", type=click.Choice(["jsonl"]), default="jsonl", show_default=True)
-@click.option("--out", type=click.File("w"), default="-", help="Output file (default: stdout).")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "parquet"]), default="jsonl", show_default=True)
+@click.option("--flavour", type=click.Choice(["tokens", "messages"]), default="tokens", show_default=True,
+              help="Parquet: token-level (verl-style) or message-level (TRL).")
+@click.option("--out", default="-", help="JSONL: a file (default stdout). Parquet: a folder (shards + manifest.json).")
 @WHERE_OPTION
 @PARAM_OPTION
-@click.option("--no-tokens", is_flag=True, help="Leave prompt_ids / response_ids / logprobs out.")
+@click.option("--no-tokens", is_flag=True, help="JSONL: leave prompt_ids / response_ids / logprobs out.")
 @click.option("--no-gate", is_flag=True, help="Export every selected step, also those reviews took out.")
-def export(db, fmt, out, where, params, no_tokens, no_gate):
-    """Write steps as JSON Lines, one object per step, through the curation gate."""
+def export(db, fmt, flavour, out, where, params, no_tokens, no_gate):
+    """Write steps (through the curation gate) as JSON Lines, or as Parquet shards with a manifest."""
     import sqlite3
 
     store = open_reader(db)
     condition, values = where_clause(where, params)
-    count = 0
     try:
         gate = store.gate_counts(condition, values)
-        for record in store.iter_steps(condition, values, with_tokens=not no_tokens, gate=not no_gate):
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
-            count += 1
+        if fmt == "parquet":
+            if out == "-":
+                raise click.UsageError("Parquet needs --out FOLDER")
+            from .trainer_bridge.parquet import export_parquet
+
+            manifest = export_parquet(store, out, flavour=flavour, where=condition, params=values, gate=not no_gate)
+            count = manifest["rows"]
+            left = ", ".join(f"{n} {why}" for why, n in manifest["left_out"].items())
+            if left:
+                click.echo(f"left out: {left}", err=True)
+        else:
+            count = 0
+            with click.open_file(out, "w") as stream:
+                for record in store.iter_steps(condition, values, with_tokens=not no_tokens, gate=not no_gate):
+                    stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+                    count += 1
     except sqlite3.Error as exc:
         raise click.ClickException(f"--where {where!r}: {exc}") from None
     why = ", ".join(f"{n} {reason}" for reason, n in sorted(gate["removed_by_reason"].items()))

@@ -97,3 +97,34 @@ def test_cli_writes_batches(proxy, marker, tmp_path):
         assert done.returncode == 0, done.stderr
         arrays = np.load(out / "batch-00000.npz")
         assert "input_ids" in arrays and json.loads((out / "batch-00000.json").read_text())["meta"]
+
+
+def test_parquet_exports_read_back_with_pyarrow_and_datasets(proxy, marker, tmp_path):
+    import json
+    import subprocess
+
+    import datasets
+    import pyarrow.parquet as pq
+
+    from .conftest import STEPMILL
+
+    messages = _rollout(f"pq-{marker}", f"pq-grp-{marker}", f"parquet {marker}", turns=2)
+    steps = proxy.trajectory_steps(f"pq-{marker}", 2)
+    proxy.client().reward(f"pq-{marker}", 0.5, source="env")
+    for flavour in ("tokens", "messages"):
+        out = tmp_path / flavour
+        done = subprocess.run(STEPMILL + ["export", "--db", str(proxy.db), "--format", "parquet", "--flavour", flavour,
+                                          "--out", str(out), "--where", "s.trajectory_id = :t", "-p", "t",
+                                          f"pq-{marker}"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["rows"] == 2 and manifest["step_ids"] == [s["step_id"] for s in steps]
+        assert manifest["filters"]["params"] == {"t": f"pq-{marker}"} and manifest["gate"]["removed"] == 0
+        table = pq.read_table(out / "part-00000.parquet")
+        loaded = datasets.load_dataset("parquet", data_files=str(out / "*.parquet"), split="train")
+        assert table.num_rows == len(loaded) == 2 and loaded[0]["reward"] == 0.5
+        if flavour == "tokens":
+            assert loaded[1]["prompt_ids"] == steps[1]["prompt_ids"] and loaded[1]["uid"] == f"pq-grp-{marker}"
+        else:
+            assert loaded[1]["completion"][0]["content"] == messages[3]["content"]
+            assert [m["role"] for m in loaded[1]["messages"]] == ["user", "assistant", "user", "assistant"]
