@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 
+from stepmill.store import StepRecord, Store
+from stepmill.trainer_bridge import step_batches, trajectory_batch, trajectory_rows, tree_batch
 from stepmill.trainer_bridge.prefix_tree import pack_tree
 
 
@@ -35,6 +39,25 @@ def group(rollouts: int, turns: int, seed: int = 0) -> list[np.ndarray]:
             tool = rng.integers(0, 150_000, rng.integers(50, 1501))
             context = np.concatenate([context, response, tool])
     return sequences
+
+
+def stored_group(rollouts: int, turns: int, folder: Path) -> Store:
+    """The same workload as captured steps in a store (a step continues its parent token-exactly)."""
+    rng = np.random.default_rng(0)
+    store = Store(folder / "bridge.db")
+    system, task = rng.integers(0, 150_000, 2000), rng.integers(0, 150_000, 200)
+    with store.batch():
+        for rollout in range(rollouts):
+            context = np.concatenate([system, task])
+            for turn in range(turns):
+                response = rng.integers(0, 150_000, rng.integers(100, 601))
+                store.record_steps([StepRecord(
+                    api="control", trajectory_id=f"r{rollout}", group_id="g", step_index=turn,
+                    messages=[{"role": "user", "content": f"turn {turn}"}] if turn == 0 else [],
+                    prompt_ids=context.tolist(), response_ids=response.tolist(),
+                    logprobs=(-rng.random(len(response))).tolist(), token_provenance="exact")])
+                context = np.concatenate([context, response, rng.integers(0, 150_000, rng.integers(50, 1501))])
+    return store
 
 
 def naive(sequences) -> int:
@@ -90,6 +113,15 @@ def main() -> None:
           f"({peak / tokens:.0f} B per token) |")
     print(f"| naive: pad each step, Python trie | {naive_ms:.0f} ms ({naive_ms / tree_ms:.0f}× pack_tree) | "
           f"{tokens / naive_ms * 1000:,.0f} | no mask at all; a dense one would be {tokens ** 2 / 2**30:,.0f} GiB |")
+    store = stored_group(args.rollouts, args.turns, Path(tempfile.mkdtemp(prefix="stepmill-bridge-")))
+    step_ms, _ = timed(lambda: list(step_batches(store, batch_size=1 << 20, max_prompt_length=1 << 20)), args.repeat)
+    rows_ms, _ = timed(lambda: trajectory_batch(*trajectory_rows(store)), args.repeat)
+    stored_tree_ms, stored = timed(lambda: tree_batch(store, "g"), args.repeat)
+    print(f"\nfrom the store (every step read back from its prefix deltas, {tokens:,} tokens):")
+    print("| layout | time | tokens/s |")
+    print("|---|---|---|")
+    for name, ms in (("step (padded)", step_ms), ("trajectory rows", rows_ms), ("prefix tree", stored_tree_ms)):
+        print(f"| {name} | {ms:.0f} ms | {tokens / ms * 1000:,.0f} |")
     print(f"\nreproduce: .venv/bin/python -m bench.bridge --rollouts {args.rollouts} --turns {args.turns} "
           f"--repeat {args.repeat}")
 
