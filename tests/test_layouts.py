@@ -128,3 +128,15 @@ def test_parquet_exports_read_back_with_pyarrow_and_datasets(proxy, marker, tmp_
         else:
             assert loaded[1]["completion"][0]["content"] == messages[3]["content"]
             assert [m["role"] for m in loaded[1]["messages"]] == ["user", "assistant", "user", "assistant"]
+
+
+def test_a_verl_dataproto_when_verl_is_installed(proxy, marker):
+    import pytest
+
+    pytest.importorskip("verl")
+    _rollout(f"verl-{marker}", f"verl-grp-{marker}", f"verl {marker}", turns=2)
+    proxy.trajectory_steps(f"verl-{marker}", 2)
+    [batch] = list(step_batches(proxy.store(), where="s.trajectory_id = ?", params=[f"verl-{marker}"]))
+    proto = batch.to_dataproto()
+    assert len(proto) == 2 and proto.batch["input_ids"].shape == batch.tensors["input_ids"].shape
+    assert list(proto.non_tensor_batch["uid"]) == [f"verl-grp-{marker}"] * 2

@@ -43,6 +43,15 @@ class Batch:
 
         return {name: torch.from_numpy(array) for name, array in self.tensors.items()}
 
+    def to_dataproto(self):
+        """A verl ``DataProto`` (verl is an optional extra): the arrays as its batch, the per-row
+        metadata as its non-tensor batch, the counts as its meta_info."""
+        from verl import DataProto
+
+        rows = {name: np.array(values, dtype=object) for name, values in self.meta.items()
+                if isinstance(values, list) and len(values) == len(self)}
+        return DataProto.from_dict(tensors=self.to_torch(), non_tensors=rows, meta_info={"report": dict(self.report)})
+
 
 def _steps(store: Store, where: str | None, params: Any) -> Iterator[dict]:
     yield from store.iter_steps(where, params, with_tokens=True, gate=True)
