@@ -57,13 +57,13 @@ def test_trajectory_layout_and_row_breaks(proxy, marker):
         by_id.setdefault(row.trajectory_id, []).append(row)
     [whole] = by_id[f"rows-{marker}"]
     assert len(whole.step_ids) == 3
-    assert whole.ids == render_ids(messages[:-2]) + encode_text(messages[-2]["content"]) + [END]
+    assert whole.ids.tolist() == render_ids(messages[:-2]) + encode_text(messages[-2]["content"]) + [END]
     sampled = [t for t, m in zip(whole.ids, whole.loss) if m]
     assert sampled == sum((encode_text(m["content"]) + [END] for m in messages if m["role"] == "assistant"), [])
     assert len(by_id[f"drift-{marker}"]) == 2  # the drifted step starts a new row
     assert report["new row: a step does not continue its parent token-exactly"] == 1
     batch = trajectory_batch(rows, report)
-    assert batch.tensors["input_ids"].shape[0] == 3 and batch.tensors["response_mask"].sum() == sum(sum(r.loss) for r in rows)
+    assert batch.tensors["input_ids"].shape[0] == 3 and batch.tensors["response_mask"].sum() == sum(r.loss.sum() for r in rows)
 
 
 def test_tree_layout_of_a_group(proxy, marker):

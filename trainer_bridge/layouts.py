@@ -126,9 +126,9 @@ class Row:
     trajectory_id: str
     group_id: str
     step_ids: list = field(default_factory=list)
-    ids: list = field(default_factory=list)
-    loss: list = field(default_factory=list)  # 1 where the model sampled the token
-    logprobs: list = field(default_factory=list)
+    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    loss: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))  # 1 where the model sampled the token
+    logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     reward: float | None = None
 
 
@@ -146,21 +146,23 @@ def trajectory_rows(store: Store, *, where: str | None = None, params: Any = ())
         steps.sort(key=lambda s: (s["step_index"] is None, s["step_index"]))
         row = None
         for step in steps:
-            prompt, response = step["prompt_ids"], step["response_ids"]
-            continues = row is not None and len(prompt) >= len(row.ids) and prompt[:len(row.ids)] == row.ids \
-                and step["parent_step_id"] == row.step_ids[-1]
+            prompt = np.asarray(step["prompt_ids"], dtype=np.int64)
+            response = np.asarray(step["response_ids"], dtype=np.int64)
+            n = 0 if row is None else len(row.ids)
+            continues = row is not None and step["parent_step_id"] == row.step_ids[-1] and len(prompt) >= n \
+                and np.array_equal(prompt[:n], row.ids)
             if not continues:
                 if row is not None:
                     report["new row: a step does not continue its parent token-exactly"] += 1
                 row = Row(trajectory_id, step["group_id"])
                 rows.append(row)
-                context = prompt
-            else:
-                context = prompt[len(row.ids):]  # tool results, user turns, template tokens: context
-            row.ids += list(context) + list(response)
-            row.loss += [0] * len(context) + [1] * len(response)
-            logprobs = step["logprobs"] or [0.0] * len(response)
-            row.logprobs += [0.0] * len(context) + list(logprobs)
+                n = 0
+            context = prompt[n:]  # tool results, user turns, template tokens: context, not trained on
+            logprobs = np.asarray(step["logprobs"] if step["logprobs"] is not None else np.zeros(len(response)),
+                                  dtype=np.float32)
+            row.ids = np.concatenate([row.ids, context, response])
+            row.loss = np.concatenate([row.loss, np.zeros(len(context), np.int8), np.ones(len(response), np.int8)])
+            row.logprobs = np.concatenate([row.logprobs, np.zeros(len(context), np.float32), logprobs])
             row.step_ids.append(step["step_id"])
             row.reward = step["reward"]
     report["rows"] = len(rows)
@@ -199,7 +201,7 @@ def tree_batch(store: Store, group_id: str, *, rows: bool = False) -> tuple[Pack
     if rows:
         trajectory, report = trajectory_rows(store, where="s.group_id = ?", params=[group_id])
         sequences = [r.ids for r in trajectory]
-        masks = [r.loss for r in trajectory]
+        masks = [r.loss.astype(bool) for r in trajectory]
         meta = {"trajectory_id": [r.trajectory_id for r in trajectory], "step_ids": [r.step_ids for r in trajectory]}
     else:
         report, sequences, masks, meta = Counter(), [], [], {"step_id": []}

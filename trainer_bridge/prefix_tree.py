@@ -54,7 +54,7 @@ def pack_tree(sequences, loss_masks=None) -> PackedTree:
     """Pack token-id sequences (and optional per-token loss masks) into one depth-first trie."""
     seqs = [np.asarray(s, dtype=np.int64).reshape(-1) for s in sequences]
     if loss_masks is None:
-        masks = [np.ones(len(s), dtype=bool) for s in seqs]
+        masks = None
     else:
         masks = [np.asarray(m, dtype=bool).reshape(-1) for m in loss_masks]
         if len(masks) != len(seqs) or any(len(m) != len(s) for m, s in zip(masks, seqs)):
@@ -62,7 +62,9 @@ def pack_tree(sequences, loss_masks=None) -> PackedTree:
     n = len(seqs)
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
     total = int(lengths.sum())
-    keys = [s.astype(">i8").tobytes() for s in seqs]  # byte order = token order, so shared prefixes sort together
+    # Big-endian bytes sort like the tokens, so shared prefixes sort together (4 bytes a token when ids fit).
+    narrow = all(not len(s) or (s.min() >= 0 and s.max() < 2**32) for s in seqs)
+    keys = [s.astype(">u4" if narrow else ">i8").tobytes() for s in seqs]
     order = sorted(range(n), key=keys.__getitem__)
 
     input_ids = np.empty(total, dtype=np.int64)
@@ -98,8 +100,12 @@ def pack_tree(sequences, loss_masks=None) -> PackedTree:
     subtree_end[path[:path_len]] = size
     input_ids, position_ids = input_ids[:size], position_ids[:size]
     parent, subtree_end = parent[:size], subtree_end[:size]
-    seq_loss_mask = np.concatenate(masks) if n else np.zeros(0, dtype=bool)
-    loss_count = np.bincount(seq_positions[seq_loss_mask], minlength=size).astype(np.int32)
+    if masks is None:  # every token trains: counts are how many sequences hold each token
+        seq_loss_mask = np.ones(total, dtype=bool)
+        loss_count = np.bincount(seq_positions, minlength=size).astype(np.int32)
+    else:
+        seq_loss_mask = np.concatenate(masks) if n else np.zeros(0, dtype=bool)
+        loss_count = np.bincount(seq_positions[seq_loss_mask], minlength=size).astype(np.int32)
     return PackedTree(input_ids, position_ids, parent, subtree_end, loss_count > 0, loss_count, seq_offsets,
                       seq_positions, seq_loss_mask, total)
 
