@@ -120,6 +120,14 @@ def test_a_remote_trainer_pulls_over_http(proxy, marker):
         assert batches[0].tensors["input_ids"].shape == (2, 6)
         assert batches[0].tensors["rollout_log_probs"].dtype.name == "float32"
         assert trainer.claim() is None
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is not None:  # the same stream as a torch IterableDataset
+            _group(client, f"{marker}-torch", 2, channel=channel)
+            loaded = list(torch.utils.data.DataLoader(trainer.as_torch_dataset(), batch_size=None))
+            assert len(loaded) == 1 and loaded[0]["input_ids"].shape == (2, 6)
         with pytest.raises(urllib.error.HTTPError) as anonymous:
             RemoteConsumer(url, "intruder", token="wrong", n=2, channel=channel).claim()
         assert anonymous.value.code == 401

@@ -121,3 +121,29 @@ def test_a_tiny_hugging_face_model_gives_the_same_logits():
         for i, seq in enumerate(group):
             alone = model(input_ids=torch.tensor([seq])).logits[0]
             torch.testing.assert_close(packed[torch.from_numpy(tree.sequence(i))], alone, atol=1e-6, rtol=0)
+
+
+def test_flex_attention_mask_mod_matches_the_dense_mask():
+    torch = pytest.importorskip("torch")
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    from stepmill.trainer_bridge.prefix_tree import flex_mask_mod
+
+    tree = pack_tree([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9, 9], [1, 2, 3, 4, 5, 1, 1, 1, 1, 1, 1, 1], [7] * 6])
+    t = len(tree.input_ids)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, t, 16, dtype=torch.float64) for _ in range(3))
+    block_mask = flex.create_block_mask(flex_mask_mod(tree.subtree_end), 1, 1, t, t, device="cpu")
+    out = flex.flex_attention(q, k, v, block_mask=block_mask)
+    dense = torch.from_numpy(dense_tree_mask(tree.subtree_end))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+
+
+def test_batches_are_torch_tensors_without_a_copy():
+    torch = pytest.importorskip("torch")
+    from stepmill.trainer_bridge.layouts import Batch
+
+    array = np.arange(6, dtype=np.int64).reshape(2, 3)
+    tensors = Batch({"input_ids": array}, {"step_id": ["a", "b"]}).to_torch()
+    array[0, 0] = 42
+    assert tensors["input_ids"][0, 0].item() == 42 and tensors["input_ids"].dtype == torch.int64
