@@ -2,7 +2,6 @@
 restarts that resume, staleness and channels."""
 
 import threading
-import urllib.request
 import time
 
 from stepmill.store import Store
@@ -91,6 +90,7 @@ def test_stale_groups_are_set_aside_and_counted(proxy, marker):
 def test_a_remote_trainer_pulls_over_http(proxy, marker):
     import subprocess
     import urllib.error
+    import urllib.request
 
     import pytest
 

@@ -47,7 +47,7 @@ def test_step_layout(proxy, marker):
 
 def test_trajectory_layout_and_row_breaks(proxy, marker):
     messages = _rollout(f"rows-{marker}", f"grp-{marker}", f"rows {marker}", turns=3)
-    drift = _rollout(f"drift-{marker}", f"grp-{marker}", f"[[drift]] {marker}", turns=2)
+    _rollout(f"drift-{marker}", f"grp-{marker}", f"[[drift]] {marker}", turns=2)
     proxy.trajectory_steps(f"rows-{marker}", 3)
     proxy.trajectory_steps(f"drift-{marker}", 2)
     store = proxy.store()
