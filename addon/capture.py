@@ -313,7 +313,7 @@ class StepmillAddon:
         capture = Capture(
             call=Call(api=api, host=host, path=request.path.split("?", 1)[0], tags=tags,
                       session_id=tagging.session_id(request.headers),
-                      headers=secrets.stored_headers(request.headers), client_conn=flow.client_conn.id,
+                      headers=secrets.allowed_headers(request.headers), client_conn=flow.client_conn.id,
                       default_channel=ctx.options.stepmill_channel),
             started=request.timestamp_start or time.time(), raw_request=request.raw_content or b"",
             request_encoding=request.headers.get("content-encoding"), websocket=websocket,

@@ -59,7 +59,7 @@ class Call:
     path: str
     tags: tagging.Tags = field(default_factory=tagging.Tags)
     session_id: str | None = None
-    headers: dict | None = None  # allowlisted, see secrets.stored_headers
+    headers: dict | None = None  # allowlisted (secrets.allowed_headers), values redacted before the journal
     client_conn: str | None = None
     default_channel: str | None = None
 

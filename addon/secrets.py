@@ -1,5 +1,8 @@
 """What may be stored of a request: an allowlist of headers, and secrets taken out of everything else.
 
+The allowlist applies on the event loop (a dict filter); values are redacted with everything
+else in the handoff thread, before the journal (``writer.redact_header``).
+
 Agents send API keys in headers, URL queries, WebSocket subprotocols and JSON bodies. None of
 them may reach the database: headers are kept only by name from a short list, and every text
 that is stored raw (bodies of failed steps, errors, parameters) passes through ``redact``.
@@ -138,6 +141,7 @@ def redact_json(value: Any) -> Any:
     return value
 
 
-def stored_headers(headers) -> dict:
-    """The request headers a step keeps: allowlisted names, values cleaned of credential shapes."""
-    return {k.lower(): redact_text(v) for k, v in headers.items() if k.lower() in ALLOWED_HEADERS}
+def allowed_headers(headers) -> dict:
+    """The allowlisted request headers, by name only (cheap enough for the event loop)."""
+    return {k.lower(): v for k, v in headers.items() if k.lower() in ALLOWED_HEADERS}
+

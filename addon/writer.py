@@ -33,7 +33,7 @@ from stepmill.store.journal import Journal, Position, decode_entry, entry_parts,
 
 from .ingest import Ingest
 from .recording import EnvironmentFailure
-from .secrets import redact_bytes
+from .secrets import redact_bytes, redact_text
 
 log = logging.getLogger("stepmill")
 
@@ -43,6 +43,16 @@ CHECKPOINT_WAL_BYTES = 32 * 1024 * 1024  # the writer checkpoints after committi
 CHECKPOINT_IDLE = 5.0  # seconds without calls after which the WAL is checkpointed
 RETRY_WAIT = 0.5  # after a locked database or a full disk
 MEMORY_LIMIT = 256 * 1024 * 1024  # calls waiting for the journal (a full disk) at most, in bytes
+
+
+def redact_header(header: dict) -> dict:
+    """The entry's header with its header values and error text cleaned (their names are allowlisted
+    already, on the loop)."""
+    if header.get("headers"):
+        header["headers"] = {name: redact_text(value) for name, value in header["headers"].items()}
+    if header.get("error"):
+        header["error"] = redact_text(header["error"])
+    return header
 
 
 class Handoff:
@@ -81,7 +91,7 @@ class Handoff:
                 batch = list(itertools.islice(self.queue, 256))  # the loop only appends on the right
                 # Secrets never reach the disk, the journal included (a few ms per MB, off the loop).
                 data = [part for header, blobs, _ in batch
-                        for part in entry_parts(header, [redact_bytes(blob) for blob in blobs])]
+                        for part in entry_parts(redact_header(header), [redact_bytes(blob) for blob in blobs])]
                 try:
                     self.journal.append(data)  # one write() for the batch
                 except OSError as exc:

@@ -36,14 +36,17 @@ def test_tag_path_and_credentials():
 
 
 def test_stored_headers_are_an_allowlist():
-    from stepmill.addon.secrets import stored_headers
+    from stepmill.addon.secrets import allowed_headers
+    from stepmill.addon.writer import redact_header
 
-    kept = stored_headers({"Authorization": "Bearer x", "x-api-key": "k", "Cookie": "c", "Content-Length": "12",
+    kept = allowed_headers({"Authorization": "Bearer x", "x-api-key": "k", "Cookie": "c", "Content-Length": "12",
                            "User-Agent": "claude-cli/1.0", "anthropic-beta": "tools",
                            "sec-websocket-protocol": "realtime, openai-insecure-api-key.sk-abcdef123456",
                            "ocp-apim-subscription-key": "s1", "helicone-auth": "Bearer sk-helicone-123456",
                            "x-made-up-secret-carrier": "s2"})
     assert kept == {"user-agent": "claude-cli/1.0", "anthropic-beta": "tools"}
+    header = redact_header({"headers": {"x-title": "app sk-proj-abcdef123456"}, "error": "bad key sk-ant-abcdefgh99"})
+    assert header == {"headers": {"x-title": "app [redacted]"}, "error": "bad key [redacted]"}
 
 
 def test_engine_routing():
