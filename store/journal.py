@@ -178,16 +178,16 @@ class Journal:
         start = self._append.tell()
         parts = [entry] if isinstance(entry, (bytes, bytearray, memoryview)) else list(entry)
         try:
+            fd = self._append.fileno()
             for i in range(0, len(parts), 512):  # within IOV_MAX
                 chunk = parts[i:i + 512]
-                expected = sum(len(p) for p in chunk)
-                written = os.writev(self._append.fileno(), chunk)
-                while written < expected:  # a short write: the rest, without copying what was written
-                    view = memoryview(b"".join(chunk))[written:]
-                    more = os.write(self._append.fileno(), view)
+                written = os.writev(fd, chunk)
+                rest = memoryview(b"".join(chunk))[written:] if written < sum(len(p) for p in chunk) else b""
+                while rest:  # a short write: the rest, once joined
+                    more = os.write(fd, rest)
                     if not more:
                         raise OSError("the journal took no more bytes")
-                    written += more
+                    rest = rest[more:]
         except OSError:
             self._append.truncate(start)  # never leave half an entry before the next one
             self._append.seek(0, os.SEEK_END)
