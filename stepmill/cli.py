@@ -425,6 +425,36 @@ def serve(db, port, host, confdir):
         pass
 
 
+@main.command()
+@click.argument("config_path", metavar="CONFIG", type=click.Path(exists=True, dir_okay=False))
+@click.option("--db", default=None, help="SQLite file (default: [proxy] db in the config, else stepmill.db).")
+@click.option("--no-progress", is_flag=True)
+def rollout(config_path, db, no_progress):
+    """Run every task of the configured dataset n times through the proxy, then score the rewards."""
+    from .rollout import rollout as run_rollout
+    from .rollout_config import ConfigError, load
+
+    try:
+        config = load(config_path)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    # Ctrl-C (and a plain kill) stop the runs cleanly, also where the shell started us with SIGINT ignored.
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        report = run_rollout(config, db=db, progress=not no_progress)
+    except KeyboardInterrupt:
+        click.echo("interrupted: what the runs sent is kept; run the same command again to resume", err=True)
+        sys.exit(130)
+    click.echo(f"{report.done} runs finished ({report.failed} failed, {report.timed_out} timed out), "
+               f"{report.skipped} done earlier, of {report.total}", err=True)
+
+
 @main.command("policy-version")
 @DB_OPTION
 @click.argument("version", required=False)

@@ -46,13 +46,14 @@ class RewardSpec:
     options: dict = field(default_factory=dict)
 
 
-def load_config(path: str | Path) -> list[RewardSpec]:
+def load_config(path: str | Path, *, other_sections: bool = False) -> list[RewardSpec]:
+    """The [[reward]] tables of a file (``other_sections``: a rollout configuration has more)."""
     try:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
     unknown = set(data) - {"reward"}
-    if unknown:
+    if unknown and not other_sections:
         raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r}; rewards go in [[reward]] tables")
     specs = []
     for i, entry in enumerate(data.get("reward") or []):

@@ -1,0 +1,129 @@
+"""`stepmill rollout`: the shipped black-box agent, n runs per task through the real proxy; tags,
+a failing agent, timeouts, resume, and configuration errors with their line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import STEPMILL
+
+
+def _config(tmp_path, proxy, marker, *, agent_command=None, timeout=60, extra=""):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": f"What is {i} + {i}? ({marker})",
+                                           "answer": str(2 * i)}) for i in range(3)) + "\n")
+    command = agent_command or [sys.executable, "-m", "stepmill.agents.tool_loop", "--model", "{model}"]
+    config = tmp_path / "rollout.toml"
+    config.write_text(f"""
+[proxy]
+url = "{proxy.url}"
+db = "{proxy.db}"
+confdir = "{proxy.confdir}"
+
+[[agent]]
+name = "tool-loop"
+command = {json.dumps(command)}
+env = {{ OPENAI_API_KEY = "sk-local" }}
+
+[[dataset]]
+name = "arith-{marker}"
+path = "tasks.jsonl"
+
+[run]
+agent = "tool-loop"
+dataset = "arith-{marker}"
+n = 2
+concurrency = 3
+timeout = {timeout}
+model = "gpt-test"
+{extra}
+[[reward]]
+name = "math-{marker}"
+function = "stepmill.store.reward_functions:math_answer"
+""")
+    return config
+
+
+def _rollout(config):
+    return subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_tool_loop_agent_through_the_runner(proxy, marker, tmp_path):
+    config = _config(tmp_path, proxy, marker)
+    done = _rollout(config)
+    assert done.returncode == 0, done.stderr
+    assert "6 runs finished (0 failed, 0 timed out), 0 done earlier, of 6" in done.stderr
+    assert f"reward math-{marker}: scored 6" in done.stderr
+    store = proxy.store()
+    trajectories = store.query("SELECT * FROM trajectories WHERE id LIKE ? ORDER BY id", [f"arith-{marker}-%"])
+    assert [t["id"] for t in trajectories] == [f"arith-{marker}-t{i}-{k}" for i in range(3) for k in range(2)]
+    assert {t["status"] for t in trajectories} == {"complete"}
+    assert {t["group_id"] for t in trajectories} == {f"arith-{marker}-t{i}" for i in range(3)}
+    metadata = json.loads(trajectories[0]["metadata"])
+    assert metadata["exit_status"] == 0 and metadata["outcome"] == "ok" and metadata["answer"] == "0"
+    steps = proxy.steps("s.trajectory_id LIKE ?", [f"arith-{marker}-%"], count=12)
+    by_trajectory = {}
+    for step in steps:
+        by_trajectory.setdefault(step["trajectory_id"], []).append(step)
+    assert len(by_trajectory) == 6 and all(len(s) == 2 for s in by_trajectory.values())  # tool call, then answer
+    assert store.query("SELECT count(*) AS n FROM rewards WHERE name = ?", [f"math-{marker}"])[0]["n"] == 6
+    again = _rollout(config)  # resume: everything finished, nothing runs again
+    assert "0 runs finished (0 failed, 0 timed out), 6 done earlier, of 6" in again.stderr
+
+
+def test_failing_and_slow_agents_are_recorded(proxy, marker, tmp_path):
+    failing = _config(tmp_path, proxy, marker, agent_command=[sys.executable, "-c", "import sys; sys.exit(3)"])
+    done = _rollout(failing)
+    assert "6 runs finished (6 failed, 0 timed out)" in done.stderr
+    row = proxy.store().query("SELECT metadata, status FROM trajectories WHERE id = ?", [f"arith-{marker}-t0-0"])[0]
+    assert row["status"] == "complete" and json.loads(row["metadata"])["exit_status"] == 3
+
+    slow_dir = tmp_path / "slow"
+    slow_dir.mkdir()
+    slow = _config(slow_dir, proxy, f"{marker}s", agent_command=[sys.executable, "-c", "import time; time.sleep(30)"],
+                   timeout=1)
+    done = _rollout(slow)
+    assert "6 runs finished (0 failed, 6 timed out)" in done.stderr
+    meta = json.loads(proxy.store().query("SELECT metadata FROM trajectories WHERE id = ?",
+                                          [f"arith-{marker}s-t1-1"])[0]["metadata"])
+    assert meta["outcome"] == "timeout" and meta["duration_s"] < 10
+
+
+@pytest.mark.parametrize("mistake,message", [
+    ('[run]\nagent = "tool-loop"\ndataset = "x"\nnn = 4\n', ":{line}: run.nn: unknown key"),
+    ('[run]\nagent = "nobody"\ndataset = "x"\n', ":{line}: run.agent: no [[agent]] named 'nobody'"),
+    ('[run]\nagent = "tool-loop"\ndataset = "x"\nn = 0\n', ":{line}: run.n: a positive integer is required"),
+])
+def test_configuration_errors_name_the_key_and_line(tmp_path, mistake, message):
+    text = ('[[agent]]\nname = "tool-loop"\ncommand = ["true"]\n\n[[dataset]]\nname = "x"\npath = "t.jsonl"\n\n'
+            + mistake)
+    config = tmp_path / "bad.toml"
+    config.write_text(text)
+    key = message.split(": ")[1].split(".")[1]
+    line = next(i for i, content in enumerate(text.splitlines(), start=1) if content.startswith(f"{key} ="))
+    done = subprocess.run(STEPMILL + ["rollout", str(config)], capture_output=True, text=True)
+    assert done.returncode != 0 and message.format(line=line) in done.stderr, done.stderr
+
+
+def test_ctrl_c_keeps_what_ran_and_the_next_run_resumes(proxy, marker, tmp_path):
+    import signal
+    import time
+
+    slow = _config(tmp_path, proxy, marker, agent_command=[sys.executable, "-c", "import time; time.sleep(60)"])
+    process = subprocess.Popen(STEPMILL + ["rollout", str(slow), "--no-progress"], stderr=subprocess.PIPE, text=True)
+    store = proxy.store()
+    deadline = time.time() + 30
+    while store.query("SELECT count(*) AS n FROM trajectories WHERE id LIKE ?", [f"arith-{marker}-%"])[0]["n"] < 3:
+        assert time.time() < deadline, "no run started"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130 and "run the same command again to resume" in stderr
+    statuses = {r["status"] for r in store.query("SELECT status FROM trajectories WHERE id LIKE ?", [f"arith-{marker}-%"])}
+    assert statuses == {"open"}
+    quick = _config(tmp_path, proxy, marker, agent_command=[sys.executable, "-c", "print('done')"])
+    done = _rollout(quick)
+    assert "6 runs finished (0 failed, 0 timed out), 0 done earlier, of 6" in done.stderr
