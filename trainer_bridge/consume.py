@@ -95,12 +95,18 @@ class Consumer:
     def __iter__(self) -> Iterator[Batch]:
         """Ready groups until none is left. Asking for the next one acknowledges the one before (a
         trainer that dies mid-batch never asks, and gets that group back when it restarts)."""
-        previous = None
-        while True:
-            if previous is not None and previous.meta["group_id"] not in self._acked:
-                self.ack(previous)
-            batch = self.claim()
-            if batch is None:
-                return
-            previous = batch
-            yield batch
+        return acknowledging(self)
+
+
+def acknowledging(consumer) -> Iterator[Batch]:
+    """Batches from ``consumer.claim()``, each acknowledged when the next is asked for (unless the
+    caller acknowledged it already)."""
+    previous = None
+    while True:
+        if previous is not None and previous.meta["group_id"] not in consumer._acked:
+            consumer.ack(previous)
+        batch = consumer.claim()
+        if batch is None:
+            return
+        previous = batch
+        yield batch

@@ -22,7 +22,7 @@ import numpy as np
 
 from stepmill.store.db import Store
 
-from .consume import Consumer
+from .consume import Consumer, acknowledging
 from .layouts import Batch
 
 CLAIM_FIELDS = {"consumer", "n", "channel", "lease_seconds", "max_staleness"}
@@ -116,6 +116,7 @@ class RemoteConsumer:
         self.url, self.name, self.timeout = url.rstrip("/"), name, timeout
         self.token = token or read_token(confdir)
         self.params = params
+        self._acked: set = set()
 
     def _post(self, path: str, body: dict):
         request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
@@ -128,19 +129,12 @@ class RemoteConsumer:
             return None if response.status == 204 else batch_from_bytes(response.read())
 
     def ack(self, batch: Batch) -> None:
+        self._acked.add(batch.meta["group_id"])
         self._post("/v1/ack", {"consumer": self.name, "group_id": batch.meta["group_id"]}).close()
 
     def __iter__(self):
         """Asking for the next batch acknowledges the one before, as ``Consumer`` does."""
-        previous = None
-        while True:
-            if previous is not None:
-                self.ack(previous)
-            batch = self.claim()
-            if batch is None:
-                return
-            previous = batch
-            yield batch
+        return acknowledging(self)
 
     def as_torch_dataset(self):
         """A torch ``IterableDataset`` of batches (each acknowledged when the next is asked for)."""
