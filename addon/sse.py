@@ -81,3 +81,29 @@ class SSEDecoder:
             return [Event(None, "", rest)] if rest else []
         event, data = parse_block(rest)
         return [Event(event, data or "", rest)]
+
+
+def events_of(data: bytes) -> list[tuple[int, str | None, str]]:
+    """Every event of a whole stream, with the byte offset where it ends: (end, event name, data).
+
+    For the writer, which has the whole body: one split instead of a scan per chunk, and the common
+    shape (``data: …`` alone, ``\n\n`` between events) without the general line parser.
+    """
+    if b"\r" in data:  # CR line endings: the general decoder
+        decoder, out, pos = SSEDecoder(), [], 0
+        for event in decoder.push(data) + decoder.flush():
+            pos += len(event.raw)
+            if event.data:
+                out.append((pos, event.event, event.data))
+        return out
+    out, pos = [], 0
+    for block in data.split(b"\n\n"):
+        pos = min(pos + len(block) + 2, len(data))
+        if block.startswith(b"data: ") and b"\n" not in block:
+            if len(block) > 6:
+                out.append((pos, None, block[6:].decode("utf-8", "replace")))
+        elif block.strip():
+            event, value = parse_block(block)
+            if value:
+                out.append((pos, event, value))
+    return out

@@ -12,13 +12,14 @@ is still partial, never an empty chunk.
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
 import zlib
 from dataclasses import dataclass
 from typing import Callable
 
-from .sse import Event, SSEDecoder
+from .sse import Event, SSEDecoder, events_of
 
 
 def decompressor(encoding: str | None) -> Callable[[bytes], bytes] | None:
@@ -146,6 +147,8 @@ def assemble(assembler, raw: bytes, marks: list, content_encoding: str | None) -
         marks = []  # nothing can be decoded
     decoder, first_output_at, start = SSEDecoder(), None, 0
     bounds = list(marks) if marks else ([(len(raw), None)] if raw and not notes else [])
+    if decompress is None and not notes:
+        return _assemble_plain(assembler, bytes(raw), bounds)
     try:
         for end, at in bounds:
             data = raw[start:end]
@@ -160,6 +163,26 @@ def assemble(assembler, raw: bytes, marks: list, content_encoding: str | None) -
             _feed(assembler, event, notes)
     except Exception as exc:
         notes.append(f"stream decoding failed: {exc}")
+    return _finished(assembler, notes, first_output_at)
+
+
+def _assemble_plain(assembler, raw: bytes, bounds: list) -> Assembled:
+    """An uncompressed stream, split at once; the first output event's time is that of the chunk it
+    arrived in (the first mark at or past its end)."""
+    notes: list[str] = []
+    first_output_at = None
+    ends = [end for end, _ in bounds]
+    try:
+        for end, name, data in events_of(raw):
+            _feed(assembler, Event(name, data, b""), notes)
+            if first_output_at is None and assembler.output_started and ends:
+                first_output_at = bounds[min(bisect.bisect_left(ends, end), len(bounds) - 1)][1]
+    except Exception as exc:
+        notes.append(f"stream decoding failed: {exc}")
+    return _finished(assembler, notes, first_output_at)
+
+
+def _finished(assembler, notes: list[str], first_output_at) -> Assembled:
     try:
         completion = assembler.finish()
     except Exception as exc:

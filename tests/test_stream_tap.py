@@ -185,3 +185,19 @@ def test_arbitrary_bytes_never_raise_and_always_pass(body, points):
     for module in (openai_chat, anthropic_messages, openai_responses):
         reassembled(tap, module)
         reassembled(rewriting, module)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from([b"data: ", b"data:", b"event: x\n", b": keep-alive\n", b"\n", b"\n\n",
+                                           b"\r\n", b"{\"a\": 1}", b"[DONE]", b"id: 7\n"]),
+                          st.binary(max_size=8)), max_size=30))
+def test_the_whole_body_split_agrees_with_the_incremental_decoder(parts):
+    from stepmill.addon.sse import events_of
+
+    body = b"".join(parts)
+    decoder = SSEDecoder()
+    incremental = [(e.event, e.data) for e in decoder.push(body) + decoder.flush() if e.data]
+    whole = [(name, data) for _, name, data in events_of(body)]
+    assert whole == incremental
+    ends = [end for end, _, _ in events_of(body)]
+    assert ends == sorted(ends) and all(0 < end <= len(body) for end in ends)
