@@ -29,7 +29,7 @@ from mitmproxy import ctx, http
 from mitmproxy.proxy import mode_specs
 
 from stepmill.store.db import Store
-from stepmill.store.journal import Journal, Position, state_key
+from stepmill.store.journal import Journal
 from stepmill.token import ensure_token
 
 from . import engine, recording, secrets, tagging
@@ -140,13 +140,8 @@ class StepmillAddon:
             self.handoff.close()
         if self.writer is not None:
             self.writer.close()
-        if self.journal is not None and self.control is not None:
-            key = state_key(self.journal.id)
-            if not self.journal.backlog(Position.parse(self.control.store.get_state(key))):
-                self.control.store.set_state(key, None)  # all committed: nothing to replay
-                self.journal.remove()
-            else:
-                log.warning(f"stepmill: calls left in {self.journal.folder}; the next start commits them")
+        if self.journal is not None and self.control is not None and not self.journal.retire(self.control.store):
+            log.warning(f"stepmill: calls left in {self.journal.folder}; the next start commits them")
         if self.journal is not None:
             self.journal.release()
         if self.control is not None:
@@ -176,8 +171,7 @@ class StepmillAddon:
         if self.handoff is not None:
             out.update(self.handoff.status())
         if self.journal is not None and self.control is not None:
-            position = Position.parse(self.control.store.get_state(state_key(self.journal.id)))
-            out["uncommitted_bytes"] = self.journal.backlog(position)
+            out["uncommitted_bytes"] = self.journal.backlog(self.journal.committed(self.control.store))
         return out
 
     def _endpoints(self) -> Endpoints:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from stepmill.store.db import Store
-from stepmill.store.journal import Journal, Position, decode_entry, entry_parts, state_key
+from stepmill.store.journal import Journal, decode_entry, entry_parts, state_key
 
 from .ingest import Ingest
 from .recording import EnvironmentFailure
@@ -155,9 +155,7 @@ class Writer:
             log.info(f"stepmill: replaying the journal {orphan.folder} left by a writer that stopped")
             while self._drain(store, ingest, orphan):
                 pass
-            if not orphan.backlog(self._position(store, orphan)):
-                store.set_state(state_key(orphan.id), None)
-                orphan.remove()
+            orphan.retire(store)
         dirty = False
         while True:
             woken = self._wake.wait(RETRY_WAIT if self.failing else (CHECKPOINT_IDLE if dirty else None))
@@ -175,14 +173,10 @@ class Writer:
         self._checkpoint(store, "TRUNCATE")
         store.close()
 
-    @staticmethod
-    def _position(store: Store, journal: Journal) -> Position:
-        return Position.parse(store.get_state(state_key(journal.id)))
-
     def _drain(self, store: Store, ingest: Ingest, journal: Journal) -> bool:
         """One batch; True if there may be more."""
         try:
-            position = self._position(store, journal)
+            position = journal.committed(store)
             entries = list(journal.read(position, BATCH_BYTES))
             if not entries:
                 return False

@@ -246,24 +246,20 @@ class Store:
         for rec in records:
             if rec.status not in STATUSES:
                 raise StoreError(f"status must be one of {', '.join(STATUSES)}, not {rec.status!r}")
-        if self._batch is not None:  # inside a batch: one savepoint, so a failure undoes only this call
-            conn = self.db.conn
-            conn.execute("SAVEPOINT record_steps")
-            cached: list = []
-            try:
-                ids = [self._insert_step(conn, rec, cached) for rec in records]
-            except BaseException:
-                conn.execute("ROLLBACK TO record_steps")
-                conn.execute("RELEASE record_steps")
-                raise
-            conn.execute("RELEASE record_steps")
-            self._batch.extend(cached)
-            return ids
-        cached = []
-        with self.write() as conn:
+        if self._batch is None:  # on its own: a batch of one
+            with self.batch():
+                return self.record_steps(records)
+        conn = self.db.conn  # inside a batch: one savepoint, so a failure undoes only this call
+        conn.execute("SAVEPOINT record_steps")
+        cached: list = []
+        try:
             ids = [self._insert_step(conn, rec, cached) for rec in records]
-        for key, value in cached:
-            self._cache.put(key, value)
+        except BaseException:
+            conn.execute("ROLLBACK TO record_steps")
+            conn.execute("RELEASE record_steps")
+            raise
+        conn.execute("RELEASE record_steps")
+        self._batch.extend(cached)
         return ids
 
     @contextmanager

@@ -230,6 +230,18 @@ class Journal:
                 size += max(0, path.stat().st_size - after.offset)
         return size
 
+    def committed(self, store) -> Position:
+        """How far the writer committed this journal (kept in ``store``'s state table)."""
+        return Position.parse(store.get_state(state_key(self.id)))
+
+    def retire(self, store) -> bool:
+        """Remove this journal and its position if everything in it is committed; False if not."""
+        if self.backlog(self.committed(store)):
+            return False
+        store.set_state(state_key(self.id), None)
+        self.remove()
+        return True
+
     def drop_before(self, position: Position) -> None:
         """Segments wholly before the committed position are no longer needed."""
         for path in self.segments():
