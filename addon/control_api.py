@@ -297,6 +297,7 @@ class ControlAPI:
             policy_version=None if version is None else str(version),
             reward=data.get("reward"),
             metadata=data.get("metadata"),
+            usage={"input_tokens": len(data["prompt_ids"]), "output_tokens": len(data["response_ids"])},
             prompt_ids=data["prompt_ids"],
             response_ids=data["response_ids"],
             logprobs=data.get("logprobs"),

