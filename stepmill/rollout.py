@@ -25,6 +25,7 @@ from pathlib import Path
 from .client import ControlError, StepmillClient
 from .proxy_env import agent_env
 from .rollout_config import Config, Route
+from .token import ENV as TOKEN_ENV
 
 
 @dataclass
@@ -84,15 +85,15 @@ class ProxyHandle:
 
     def env(self, trajectory: str, group: str, route: Route) -> dict:
         """A black-box run's environment: tagged proxy credentials and the CA, or a tagged reverse base URL."""
-        parts = urllib.parse.urlsplit(self.url)
-        env = agent_env(parts.hostname, parts.port, self.confdir, trajectory, group)
-        base_url = route.base_url
-        if route.reverse and self.reverse_url:
+        if route.reverse and self.reverse_url:  # the tags ride in the URL; nothing else goes through a proxy
             path = urllib.parse.urlsplit(route.base_url).path.rstrip("/")
             base_url = (f"{self.reverse_url}/t/{urllib.parse.quote(trajectory, safe='')}"
                         f"/g/{urllib.parse.quote(group, safe='')}{path}")
-        if base_url:  # what openai-SDK, litellm and most OpenAI-compatible clients read
-            env.update(OPENAI_BASE_URL=base_url, OPENAI_API_BASE=base_url)
+            return {"OPENAI_BASE_URL": base_url, "OPENAI_API_BASE": base_url}
+        parts = urllib.parse.urlsplit(self.url)
+        env = agent_env(parts.hostname, parts.port, self.confdir, trajectory, group)
+        if route.base_url:  # what the openai SDK, litellm and most OpenAI-compatible clients read
+            env.update(OPENAI_BASE_URL=route.base_url, OPENAI_API_BASE=route.base_url)
         return env
 
     def close(self):
@@ -155,16 +156,19 @@ def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> 
         workdir = tempfile.mkdtemp(prefix=f"stepmill-run-{trajectory}-")
         values = {"task": task["prompt"], "model": run.model, "workdir": workdir, "trajectory": trajectory,
                   "group": group, "base_url": config.route.base_url or "", "python": sys.executable}
-        base = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy"}  # loopback LLMs go through it too
+        # No agent gets the write token; loopback LLMs go through the proxy too (no NO_PROXY).
+        base = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy" and k != TOKEN_ENV}
+        direct = {k: v for k, v in base.items() if not k.lower().endswith("_proxy")}
         if agent.entry:  # white-box: straight to the engine; its steps come back on stdout
             command = [sys.executable, "-m", "stepmill.agents.whitebox", agent.entry]
-            env = {**{k: v for k, v in base.items() if not k.lower().endswith("_proxy")}, **agent.env,
+            env = {**direct, **agent.env,
                    "STEPMILL_ENGINE_URL": config.route.base_url, "STEPMILL_MODEL": run.model,
                    "STEPMILL_TOKENIZER": white_box_tokenizer}
             stdin = json.dumps(task).encode()
         else:
             command = [part.format(**values) for part in agent.command]
-            env = {**base, **proxy.env(trajectory, group, config.route), **agent.env}
+            env = {**(direct if config.route.reverse else base), **proxy.env(trajectory, group, config.route),
+                   **agent.env}
             stdin = task["prompt"].encode() if agent.input == "stdin" else None
             if agent.input == "file":
                 Path(workdir, agent.file).write_text(task["prompt"])

@@ -236,6 +236,8 @@ def load(path: str | Path) -> Config:
         fail("route", "reverse", "true or false")
     if route.get("reverse") and not route.get("base_url"):
         fail("route", "reverse", "needs route.base_url (the upstream the reverse proxy forwards to)")
+    if route.get("reverse") and isinstance(data.get("proxy"), dict) and data["proxy"].get("url"):
+        fail("route", "reverse", "needs the proxy the runner starts (leave out proxy.url)")
     if "tokenizer" in route:
         if not isinstance(route["tokenizer"], str):
             fail("route", "tokenizer", "a path is required")

@@ -8,6 +8,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -22,6 +23,8 @@ from .upstream import Upstream
 
 TESTS = Path(__file__).parent
 STEPMILL = [sys.executable, "-m", "stepmill.cli"]
+# The Qwen2 tokenizer is built once per test session, never in the user's own cache.
+os.environ.setdefault("STEPMILL_CACHE", tempfile.mkdtemp(prefix="stepmill-test-cache-"))
 
 
 def free_port() -> int:
@@ -162,6 +165,40 @@ def stop_proxy(proxy: Proxy) -> None:
 @pytest.fixture(scope="session")
 def upstream(tmp_path_factory) -> Upstream:
     return Upstream(tmp_path_factory.mktemp("upstream")).start()
+
+
+@dataclass
+class SimulatedLLM:
+    url: str  # the OpenAI base URL, …/v1
+    tokenizer: Path
+
+
+@pytest.fixture(scope="session")
+def simulated_llm(tmp_path_factory):
+    """`stepmill simulate-llm`, really started: the demo's engine (real Qwen2 ids)."""
+    from stepmill.qwen_vocab import default_folder
+
+    tokenizer = default_folder()
+    port = free_port()
+    log = tmp_path_factory.mktemp("simulated-llm") / "llm.log"
+    process = subprocess.Popen(STEPMILL + ["simulate-llm", "--port", str(port), "--tokenizer", str(tokenizer)],
+                               stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        wait_until(lambda: process.poll() is not None or _answers_models(url), timeout=120, what="simulated LLM")
+        assert process.poll() is None, log.read_text()
+        yield SimulatedLLM(url, tokenizer)
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def _answers_models(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/models", timeout=5):
+            return True
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="session")

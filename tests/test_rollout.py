@@ -127,3 +127,131 @@ def test_ctrl_c_keeps_what_ran_and_the_next_run_resumes(proxy, marker, tmp_path)
     quick = _config(tmp_path, proxy, marker, agent_command=[sys.executable, "-c", "print('done')"])
     done = _rollout(quick)
     assert "6 runs finished (0 failed, 0 timed out), 0 done earlier, of 6" in done.stderr
+
+
+def _sim_config(tmp_path, proxy, simulated_llm, marker, *, agents, extra_route="", proxy_section=True, n=4,
+                tasks=3):
+    import importlib.resources
+
+    bundled = (importlib.resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
+    (tmp_path / "tasks.jsonl").write_text("\n".join(bundled[:tasks]) + "\n")
+    config = tmp_path / "rollout.toml"
+    proxy_block = f'[proxy]\nurl = "{proxy.url}"\ndb = "{proxy.db}"\nconfdir = "{proxy.confdir}"\n' if proxy_section \
+        else f'[proxy]\ndb = "{tmp_path / "own.db"}"\nconfdir = "{tmp_path / "mitm"}"\n'
+    config.write_text(f"""{proxy_block}
+[route]
+base_url = "{simulated_llm.url}"
+{extra_route}
+
+[[agent]]
+name = "tool-loop"
+command = ["{{python}}", "-m", "stepmill.agents.tool_loop", "--model", "{{model}}"]
+env = {{ OPENAI_API_KEY = "sk-local" }}
+
+[[agent]]
+name = "token-loop"
+entry = "stepmill.agents.token_loop:run"
+
+[[dataset]]
+name = "sim-{marker}"
+path = "tasks.jsonl"
+
+[run]
+agent = {json.dumps(agents)}
+dataset = "sim-{marker}"
+n = {n}
+concurrency = 4
+timeout = 120
+model = "qwen-sim"
+policy_version = "{marker}"
+
+[[reward]]
+name = "math-{marker}"
+function = "stepmill.store.reward_functions:math_answer"
+""")
+    return config
+
+
+def test_both_shipped_agents_against_the_simulated_llm(proxy, simulated_llm, marker, tmp_path):
+    """Three tasks × two agents × n=4: the black-box loop through the proxy, the white-box loop token
+    in / token out with its steps submitted by the runner; both with exact Qwen2 ids, grouped, scored."""
+    config = _sim_config(tmp_path, proxy, simulated_llm, marker, agents=["tool-loop", "token-loop"])
+    done = _rollout(config)
+    assert done.returncode == 0, done.stderr
+    assert "24 runs finished (0 failed, 0 timed out)" in done.stderr and f"reward math-{marker}: scored 24" in done.stderr
+    store = proxy.store()
+    trajectories = store.query("SELECT * FROM trajectories WHERE id LIKE ?", [f"sim-{marker}-%"])
+    assert len(trajectories) == 24 and {t["status"] for t in trajectories} == {"complete"}
+    groups = {}
+    for t in trajectories:
+        groups.setdefault(t["group_id"], []).append(t)
+    assert sorted(groups) == sorted(f"sim-{marker}-t0{i}-{agent}" for i in (1, 2, 3)
+                                    for agent in ("tool-loop", "token-loop"))
+    assert all(len(members) == 4 for members in groups.values())
+    assert {t["reward"] for t in trajectories} <= {0.0, 1.0} and all(t["reward"] is not None for t in trajectories)
+    steps = proxy.steps("s.trajectory_id LIKE ?", [f"sim-{marker}-%"], count=24)
+    assert {s["token_provenance"] for s in steps} == {"exact"}
+    assert {s["policy_version"] for s in steps} == {marker}
+    by_agent = {"tool-loop": [], "token-loop": []}
+    for step in steps:
+        by_agent["token-loop" if "-token-loop-" in step["trajectory_id"] else "tool-loop"].append(step)
+    assert {s["api"] for s in by_agent["tool-loop"]} == {"openai.chat"}
+    assert {s["api"] for s in by_agent["token-loop"]} == {"control"}
+    consistency = store.query("SELECT DISTINCT consistency FROM steps WHERE trajectory_id LIKE ?", [f"sim-{marker}-%"])
+    assert {r["consistency"] for r in consistency} <= {"root", "consistent"}
+    # The white-box trajectory is one token sequence: each prompt extends the previous prompt + response.
+    white = {}
+    for step in by_agent["token-loop"]:
+        white.setdefault(step["trajectory_id"], []).append(step)
+    for chain in white.values():
+        chain.sort(key=lambda s: s["step_index"])
+        for before, after in zip(chain, chain[1:]):
+            assert after["prompt_ids"][:len(before["prompt_ids"]) + len(before["response_ids"])] == \
+                before["prompt_ids"] + before["response_ids"]
+            assert after["parent_step_id"] == before["step_id"]
+    metadata = json.loads(trajectories[0]["metadata"])
+    assert metadata["outcome"] == "ok" and "answer" in metadata
+
+
+def test_no_agent_gets_the_write_token(proxy, simulated_llm, marker, tmp_path):
+    config = _sim_config(tmp_path, proxy, simulated_llm, marker, agents=["tool-loop"], n=1, tasks=1)
+    text = config.read_text().replace(
+        'command = ["{python}", "-m", "stepmill.agents.tool_loop", "--model", "{model}"]',
+        'command = ["{python}", "-c", "import os, sys; sys.exit(3 if \'STEPMILL_TOKEN\' in os.environ else 0)"]')
+    config.write_text(text)
+    import os
+
+    done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "STEPMILL_TOKEN": proxy.token})
+    assert "1 runs finished (0 failed, 0 timed out)" in done.stderr, done.stderr
+
+
+def test_reverse_route_tags_a_base_url(tmp_path, proxy, simulated_llm, marker):
+    """route.reverse: the runner's own proxy gets a reverse mode; agents get .../t/<trajectory>/g/<group>/v1."""
+    config = _sim_config(tmp_path, proxy, simulated_llm, marker, agents=["tool-loop"], n=2, tasks=1,
+                         extra_route="reverse = true", proxy_section=False)
+    text = config.read_text().replace('"--model", "{model}"]', '"--model", "{model}"]\ninput = "stdin"')
+    config.write_text(text)
+    done = _rollout(config)
+    assert "2 runs finished (0 failed, 0 timed out)" in done.stderr, done.stderr
+    from stepmill.store import Store
+
+    store = Store(str(tmp_path / "own.db"), readonly=True)
+    rows = store.query("SELECT trajectory_id, group_id, path, token_provenance FROM steps")
+    assert rows and {r["group_id"] for r in rows} == {f"sim-{marker}-t01"}
+    assert {r["trajectory_id"] for r in rows} == {f"sim-{marker}-t01-0", f"sim-{marker}-t01-1"}
+    assert {r["path"] for r in rows} == {"/v1/chat/completions"} and {r["token_provenance"] for r in rows} == {"exact"}
+
+
+@pytest.mark.parametrize("agent,route,message", [
+    ('name = "a"\ncommand = ["true"]\nentry = "m:f"', "", "agent: 'a': give either command (black-box) or entry"),
+    ('name = "a"\nentry = "not an entry"', '[route]\nbase_url = "http://x/v1"\n', "agent.entry: 'module:function'"),
+    ('name = "a"\nentry = "m:f"', "", "white-box agents need route.base_url"),
+    ('name = "a"\ncommand = ["true"]', '[route]\nbase_url = "ftp://x"\n', "route.base_url: an http:// or https:// URL"),
+])
+def test_agent_and_route_errors(tmp_path, agent, route, message):
+    config = tmp_path / "bad.toml"
+    config.write_text(f'{route}[[agent]]\n{agent}\n\n[[dataset]]\nname = "x"\npath = "t.jsonl"\n\n'
+                      '[run]\nagent = "a"\ndataset = "x"\n')
+    done = subprocess.run(STEPMILL + ["rollout", str(config)], capture_output=True, text=True)
+    assert done.returncode != 0 and message in done.stderr, done.stderr
