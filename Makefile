@@ -1,14 +1,17 @@
-# `make proxy` and `make test` set up .venv on first use (Python >= 3.12, found by .ci/find-python).
+# `make demo`, `make proxy` and `make test` set up .venv on first use (Python >= 3.12, found by .ci/find-python).
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: proxy ui test bench bench-proxy bench-store
+.PHONY: demo proxy ui test bench bench-proxy bench-store
 
 $(PY): pyproject.toml
 	"$$(.ci/find-python)" -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(PY)
+
+demo: $(PY)
+	$(VENV)/bin/stepmill demo
 
 proxy: $(PY)
 	$(VENV)/bin/stepmill proxy
@@ -22,7 +25,10 @@ test: $(PY)
 bench: $(PY)
 	$(PY) -m bench.capture_bench
 
-bench-proxy: $(PY)
+bench-demo: $(PY)
+	$(VENV)/bin/stepmill demo
+
+proxy: $(PY)
 	$(PY) -m bench.proxy_bench
 
 bench-store: $(PY)
