@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -155,7 +156,8 @@ def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> 
             proxy.client.update_trajectory(trajectory, metadata=metadata)  # a run cut short before: again
         workdir = tempfile.mkdtemp(prefix=f"stepmill-run-{trajectory}-")
         values = {"task": task["prompt"], "model": run.model, "workdir": workdir, "trajectory": trajectory,
-                  "group": group, "base_url": config.route.base_url or "", "python": sys.executable}
+                  "group": group, "base_url": config.route.base_url or "", "origin": origin(config.route.base_url),
+                  "python": sys.executable}
         # No agent gets the write token; loopback LLMs go through the proxy too (no NO_PROXY).
         base = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy" and k != TOKEN_ENV}
         direct = {k: v for k, v in base.items() if not k.lower().endswith("_proxy")}
@@ -166,9 +168,9 @@ def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> 
                    "STEPMILL_TOKENIZER": white_box_tokenizer}
             stdin = json.dumps(task).encode()
         else:
-            command = [part.format(**values) for part in agent.command]
+            command = [fill(part, values) for part in agent.command]
             env = {**(direct if config.route.reverse else base), **proxy.env(trajectory, group, config.route),
-                   **agent.env}
+                   **{name: fill(str(value), values) for name, value in agent.env.items()}}
             stdin = task["prompt"].encode() if agent.input == "stdin" else None
             if agent.input == "file":
                 Path(workdir, agent.file).write_text(task["prompt"])
@@ -253,6 +255,22 @@ def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> 
             _score(config, proxy.db, run.dataset)
         proxy.close()
     return report
+
+
+PLACEHOLDER = re.compile(r"\{(task|model|workdir|trajectory|group|base_url|origin|python)\}")
+
+
+def fill(template: str, values: dict) -> str:
+    """Only the runner's own placeholders are replaced: other braces (JSON, TOML) stay as written."""
+    return PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def origin(base_url: str | None) -> str:
+    """scheme://host:port of a base URL (what Anthropic clients take as ANTHROPIC_BASE_URL)."""
+    if not base_url:
+        return ""
+    parts = urllib.parse.urlsplit(base_url)
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 def feed(pipe, data: bytes) -> None:

@@ -4,11 +4,14 @@ It speaks the OpenAI protocol the way a vLLM server does (``/v1/models`` owned b
 ``/v1/chat/completions`` and ``/v1/completions``, streamed or not, tool calls, ``n``, logprobs,
 and vLLM's token-id fields ``return_token_ids`` → ``prompt_token_ids`` / ``token_ids``), and
 tokenizes with the real Qwen2 vocabulary and chat template, so the ids it returns are what a
-Qwen model served by vLLM would return for the same text.
+Qwen model served by vLLM would return for the same text. For agent CLIs it also answers the
+Responses API (``/v1/responses``, Codex) and Anthropic Messages (``/v1/messages``, Claude Code),
+streamed or not.
 
 What it "says" is decided by a seeded coin, not by a network: for an arithmetic task it calls
-the calculator tool or answers directly, and is right only some of the time — so rollouts of
-one task differ and rewards have something to tell apart.
+the calculator tool (or a shell tool, with ``python3 -c 'print(…)'``) or answers directly, and is
+right only some of the time — so rollouts of one task differ and rewards have something to tell
+apart. Agents that must end with a command (mini-swe-agent) get it.
 
     stepmill simulate-llm --port 8000          # then: OPENAI_BASE_URL=http://127.0.0.1:8000/v1
 """
@@ -35,8 +38,22 @@ _TOOL_RESPONSE = re.compile(r"<tool_response>\n?(.*?)\n?</tool_response>", re.S)
 
 @dataclass
 class Reply:
-    text: str  # what the model generates, in Qwen's format (tool calls as <tool_call> blocks)
-    tool_call: dict | None = None  # {"name", "arguments"} when the reply is a tool call
+    content: str  # the text of the reply
+    tool_call: dict | None = None  # {"name", "arguments"} when the reply calls a tool
+
+    @property
+    def text(self) -> str:
+        """What the model generates, in Qwen's format (a tool call as a <tool_call> block)."""
+        if self.tool_call is None:
+            return self.content
+        block = f"<tool_call>\n{json.dumps(self.tool_call)}\n</tool_call>"
+        return f"{self.content}\n{block}" if self.content else block
+
+
+SHELL_TOOLS = ("bash", "Bash", "shell", "exec_command", "local_shell", "run_shell_command")
+SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"  # mini-swe-agent ends when a command prints it
+_FENCED = re.compile(r"```.*?```", re.S)
+_LAST_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?!.*\d)", re.S)
 
 
 def find_expression(text: str) -> str | None:
@@ -47,6 +64,28 @@ def find_expression(text: str) -> str | None:
 
 def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+def shell_call(name: str, schema: dict, command: str) -> dict:
+    """A call of a shell tool in the shape its schema asks for: ``command`` or ``cmd``, a string or an argv list."""
+    properties = (schema or {}).get("properties") or {}
+    key = next((k for k in ("command", "cmd") if k in properties), "command")
+    kind = (properties.get(key) or {}).get("type")
+    return {"name": name, "arguments": {key: ["bash", "-lc", command] if kind == "array" else command}}
+
+
+_TAGGED = re.compile(r"<([\w-]+)[^>]*>.*?</\1>", re.S)  # <environment_context>…, <system-reminder>…
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def task_text(turns: list[str]) -> str:
+    """The latest request of the user: not a tool result, without fenced code, tagged context or dates."""
+    asks = [t.split("\n", 1)[-1] for t in turns if t.startswith("user") and "<tool_response>" not in t]
+    for text in reversed(asks):
+        text = _DATE.sub("", _TAGGED.sub("", _FENCED.sub("", text)))
+        if find_expression(text):
+            return text
+    return asks[-1] if asks else ""
 
 
 class SimulatedPolicy:
@@ -68,33 +107,44 @@ class SimulatedPolicy:
             self._seen[digest] = count + 1
         return random.Random(f"{self.seed}:{digest}:{count}")
 
-    def reply(self, prompt: str, tools: bool) -> Reply:
+    def reply(self, prompt: str, tools: dict[str, dict] | None = None) -> Reply:
+        """``prompt``: the rendered ChatML text; ``tools``: the offered tools' names and parameter schemas."""
         from stepmill.agents.tool_loop import calculate
 
+        tools = tools or {}
         coins = self._coins(prompt)
         turns = prompt.split(IM_START)
+        shell = next((name for name in SHELL_TOOLS if name in tools), None)
+        submit = shell is not None and SUBMIT in prompt
+        finish = shell_call(shell, tools.get(shell), f"echo {SUBMIT}") if submit else None
         last = next((t for t in reversed(turns) if t.startswith(("user", "tool"))), "")
-        result = _TOOL_RESPONSE.findall(last)
-        if result:  # the calculator answered: report it, usually faithfully
-            value = result[-1].strip()
+        results = _TOOL_RESPONSE.findall(last)
+        if results:  # a tool answered: report its number, usually faithfully
+            if SUBMIT in results[-1]:
+                return Reply("Submitted.")
+            found = _LAST_NUMBER.search(results[-1])
+            if not found:
+                return Reply("The tool gave no number. \\boxed{0}", finish)
+            value = found.group()
             if coins.random() >= self.tool_accuracy:
                 value = _slip(value, coins)
-            return Reply(f"The calculator says {result[-1].strip()}, so the answer is \\boxed{{{value}}}.")
-        expression = find_expression(last.split("\n", 1)[-1])
+            return Reply(f"The tool says {found.group()}, so the answer is \\boxed{{{value}}}.", finish)
+        expression = find_expression(task_text(turns))
         if expression is None:
-            return Reply("I can only do arithmetic. \\boxed{0}")
-        if tools and coins.random() < self.tool_rate:
-            arguments = {"expression": " ".join(expression.split())}
-            call = json.dumps({"name": "calculator", "arguments": arguments})
-            return Reply(f"<tool_call>\n{call}\n</tool_call>", {"name": "calculator", "arguments": arguments})
+            return Reply("I can only do arithmetic. \\boxed{0}", finish)
+        expression = " ".join(expression.split())
+        if "calculator" in tools and coins.random() < self.tool_rate:
+            return Reply("", {"name": "calculator", "arguments": {"expression": expression}})
+        if shell and coins.random() < self.tool_rate:
+            return Reply(f"Let me compute {expression}.", shell_call(shell, tools[shell], f"python3 -c 'print({expression})'"))
         try:
             value = calculate(expression)
         except (ValueError, ZeroDivisionError, SyntaxError, TypeError):
-            return Reply("That expression does not compute. \\boxed{0}")
+            return Reply("That expression does not compute. \\boxed{0}", finish)
         value = _number(float(value))
         if coins.random() >= self.direct_accuracy:
             value = _slip(value, coins)
-        return Reply(f"Working it out in my head: {expression} = {value}. \\boxed{{{value}}}")
+        return Reply(f"Working it out in my head: {expression} = {value}. \\boxed{{{value}}}", finish)
 
 
 def _slip(value: str, coins: random.Random) -> str:
@@ -104,6 +154,21 @@ def _slip(value: str, coins: random.Random) -> str:
     except ValueError:
         return value + "0"
     return _number(number + coins.choice([-10, -2, -1, 1, 2, 10]))
+
+
+def function_tools(tools: list | None) -> list[dict]:
+    """Tools of any protocol in the OpenAI function shape the chat template takes."""
+    out = []
+    for tool in tools or []:
+        if not isinstance(tool, dict):
+            continue
+        if isinstance(tool.get("function"), dict):  # chat: {"type": "function", "function": {...}}
+            out.append(tool)
+        elif tool.get("name"):  # Responses (flat) and Anthropic (input_schema)
+            out.append({"type": "function", "function": {
+                "name": tool["name"], "description": tool.get("description", ""),
+                "parameters": tool.get("parameters") or tool.get("input_schema") or {"type": "object"}}})
+    return out
 
 
 class Engine:
@@ -117,16 +182,22 @@ class Engine:
         self.policy = policy
         self.delay = delay
 
-    def render(self, messages: list[dict], tools: list | None) -> str:
-        flat = [{**m, "content": _text_of(m.get("content"))} for m in messages]
+    def render(self, messages: list[dict], tools: list[dict]) -> str:
+        flat = []
+        for m in messages:
+            message = {**m, "content": _text_of(m.get("content"))}
+            if m.get("tool_calls"):
+                message["tool_calls"] = [c for c in m["tool_calls"] if isinstance(c, dict) and c.get("function")]
+            flat.append(message)
         return self.tokenizer.apply_chat_template(flat, tools=tools or None, add_generation_prompt=True,
                                                   tokenize=False)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def generate(self, prompt: str, tools: bool, coins_prompt: str | None = None) -> tuple[Reply, list[int], list[float]]:
-        reply = self.policy.reply(coins_prompt or prompt, tools)
+    def generate(self, prompt: str, tools: list[dict]) -> tuple[Reply, list[int], list[float]]:
+        offered = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+        reply = self.policy.reply(prompt, offered)
         ids = self.encode(reply.text) + [self.end_id]  # the stop token is sampled too
         rng = random.Random(len(ids))
         logprobs = [round(-abs(rng.gauss(0, 0.4)), 4) for _ in ids]
@@ -138,11 +209,15 @@ class Engine:
 def _text_of(content) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content or ""
+    return content if isinstance(content, str) else ("" if content is None else json.dumps(content))
 
 
 class BadRequest(ValueError):
     pass
+
+
+def _call_id(prefix: str = "call") -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:12]}"
 
 
 def chat_completion(engine: Engine, body: dict) -> tuple[dict, list[dict]]:
@@ -153,21 +228,21 @@ def chat_completion(engine: Engine, body: dict) -> tuple[dict, list[dict]]:
     n = body.get("n") or 1
     if not isinstance(n, int) or not 1 <= n <= 16:
         raise BadRequest("n must be an integer from 1 to 16")
-    prompt = engine.render(messages, body.get("tools"))
+    tools = function_tools(body.get("tools"))
+    prompt = engine.render(messages, tools)
     prompt_ids = engine.encode(prompt)
     want_ids, want_logprobs = bool(body.get("return_token_ids")), bool(body.get("logprobs"))
     rid, model = f"chatcmpl-sim-{uuid.uuid4().hex[:12]}", body.get("model") or MODEL
     base = {"id": rid, "created": int(time.time()), "model": model, "system_fingerprint": "stepmill-simulated"}
     choices, chunks, completion_tokens = [], [], 0
     for index in range(n):
-        reply, ids, logprobs = engine.generate(prompt, bool(body.get("tools")))
+        reply, ids, logprobs = engine.generate(prompt, tools)
         completion_tokens += len(ids)
+        message, finish = {"role": "assistant", "content": reply.content or None}, "stop"
         if reply.tool_call:
-            call = {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function", "function": {
-                "name": reply.tool_call["name"], "arguments": json.dumps(reply.tool_call["arguments"])}}
-            message, finish = {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
-        else:
-            message, finish = {"role": "assistant", "content": reply.text}, "stop"
+            message["tool_calls"] = [{"id": _call_id(), "type": "function", "function": {
+                "name": reply.tool_call["name"], "arguments": json.dumps(reply.tool_call["arguments"])}}]
+            finish = "tool_calls"
         choice = {"index": index, "message": message, "finish_reason": finish,
                   "logprobs": _chat_logprobs(engine, ids, logprobs) if want_logprobs else None}
         if want_ids:
@@ -195,8 +270,9 @@ def _chat_chunks(engine, base, index, message, finish, ids, logprobs, want_ids, 
     chunk = {**base, "object": "chat.completion.chunk"}
     out = [{**chunk, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                   "finish_reason": None}]}]
-    if message.get("tool_calls"):
-        pieces = [(ids, {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]})]
+    if message.get("tool_calls"):  # the text, then the call whole, its ids on the last event
+        pieces = [([], {"content": message["content"]})] if message.get("content") else []
+        pieces.append((ids, {"tool_calls": [{"index": 0, **message["tool_calls"][0]}]}))
     else:  # four tokens an event, each with the text its tokens add
         pieces, said = [], ""
         for start in range(0, len(ids), 4):
@@ -229,7 +305,8 @@ def completion(engine: Engine, body: dict) -> dict:
         text, prompt_ids = prompt, engine.encode(prompt)
     else:
         raise BadRequest("prompt must be a string or a list of token ids")
-    reply, ids, logprobs = engine.generate(text, "<tools>" in text)
+    tools = [{"type": "function", "function": {"name": "calculator"}}] if "<tools>" in text else []
+    reply, ids, logprobs = engine.generate(text, tools)
     choice = {"index": 0, "text": reply.text, "finish_reason": "stop",
               "logprobs": None if body.get("logprobs") is None else {
                   "tokens": engine.tokenizer.convert_ids_to_tokens(ids), "token_logprobs": logprobs,
@@ -241,6 +318,112 @@ def completion(engine: Engine, body: dict) -> dict:
             "model": body.get("model") or MODEL, "system_fingerprint": "stepmill-simulated", "choices": [choice],
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                       "total_tokens": len(prompt_ids) + len(ids)}}
+
+
+def _canonical(parse, body: dict):
+    from stepmill.addon.protocols.base import ProtocolError
+
+    try:
+        return parse(body)
+    except ProtocolError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def anthropic_message(engine: Engine, body: dict) -> tuple[dict, list[tuple[str, dict]]]:
+    """An Anthropic Messages answer and its stream events (``(event name, data)``)."""
+    from stepmill.addon.protocols import anthropic_messages
+
+    request = _canonical(anthropic_messages.parse_request, body)
+    tools = function_tools(body.get("tools"))
+    prompt = engine.render(request.messages, tools)
+    reply, ids, _ = engine.generate(prompt, tools)
+    content = [{"type": "text", "text": reply.content}] if reply.content else []
+    if reply.tool_call:
+        content.append({"type": "tool_use", "id": _call_id("toolu"), "name": reply.tool_call["name"],
+                        "input": reply.tool_call["arguments"]})
+    usage = {"input_tokens": len(engine.encode(prompt)), "output_tokens": len(ids)}
+    message = {"id": f"msg_sim_{uuid.uuid4().hex[:12]}", "type": "message", "role": "assistant",
+               "model": body.get("model") or MODEL, "content": content,
+               "stop_reason": "tool_use" if reply.tool_call else "end_turn", "stop_sequence": None, "usage": usage}
+    events = [("message_start", {"type": "message_start", "message": {
+        **message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 1}}})]
+    for index, block in enumerate(content):
+        if block["type"] == "text":
+            events += [("content_block_start", {"type": "content_block_start", "index": index,
+                                                "content_block": {"type": "text", "text": ""}}),
+                       ("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                "delta": {"type": "text_delta", "text": block["text"]}})]
+        else:
+            events += [("content_block_start", {"type": "content_block_start", "index": index,
+                                                "content_block": {**block, "input": {}}}),
+                       ("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                           "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})]
+        events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+    events += [("message_delta", {"type": "message_delta", "delta": {"stop_reason": message["stop_reason"],
+                                                                      "stop_sequence": None},
+                                  "usage": {"output_tokens": len(ids)}}),
+               ("message_stop", {"type": "message_stop"})]
+    return message, events
+
+
+def response(engine: Engine, body: dict) -> tuple[dict, list[tuple[str, dict]]]:
+    """A Responses API answer and its stream events."""
+    from stepmill.addon.protocols import openai_responses
+
+    request = _canonical(openai_responses.parse_request, body)
+    tools = function_tools(body.get("tools"))
+    prompt = engine.render(request.messages, tools)
+    reply, ids, _ = engine.generate(prompt, tools)
+    rid = f"resp_sim_{uuid.uuid4().hex[:12]}"
+    output = []
+    if reply.content:
+        output.append({"type": "message", "id": f"msg_sim_{uuid.uuid4().hex[:12]}", "status": "completed",
+                       "role": "assistant", "content": [{"type": "output_text", "text": reply.content,
+                                                         "annotations": []}]})
+    if reply.tool_call:
+        output.append({"type": "function_call", "id": f"fc_sim_{uuid.uuid4().hex[:12]}", "status": "completed",
+                       "call_id": _call_id(), "name": reply.tool_call["name"],
+                       "arguments": json.dumps(reply.tool_call["arguments"])})
+    prompt_tokens = len(engine.encode(prompt))
+    done = {"id": rid, "object": "response", "created_at": int(time.time()), "status": "completed",
+            "model": body.get("model") or MODEL, "output": output, "usage": {
+                "input_tokens": prompt_tokens, "output_tokens": len(ids), "total_tokens": prompt_tokens + len(ids),
+                "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
+    started = {**done, "status": "in_progress", "output": [], "usage": None}
+    events = [("response.created", {"type": "response.created", "response": started}),
+              ("response.in_progress", {"type": "response.in_progress", "response": started})]
+    for index, item in enumerate(output):
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            events += [
+                ("response.output_item.added", {"type": "response.output_item.added", "output_index": index,
+                                                "item": {**item, "status": "in_progress", "content": []}}),
+                ("response.content_part.added", {"type": "response.content_part.added", "item_id": item["id"],
+                                                 "output_index": index, "content_index": 0,
+                                                 "part": {"type": "output_text", "text": "", "annotations": []}}),
+                ("response.output_text.delta", {"type": "response.output_text.delta", "item_id": item["id"],
+                                                "output_index": index, "content_index": 0, "delta": text}),
+                ("response.output_text.done", {"type": "response.output_text.done", "item_id": item["id"],
+                                               "output_index": index, "content_index": 0, "text": text}),
+                ("response.content_part.done", {"type": "response.content_part.done", "item_id": item["id"],
+                                                "output_index": index, "content_index": 0,
+                                                "part": item["content"][0]})]
+        else:
+            events += [
+                ("response.output_item.added", {"type": "response.output_item.added", "output_index": index,
+                                                "item": {**item, "status": "in_progress", "arguments": ""}}),
+                ("response.function_call_arguments.delta", {"type": "response.function_call_arguments.delta",
+                                                            "item_id": item["id"], "output_index": index,
+                                                            "delta": item["arguments"]}),
+                ("response.function_call_arguments.done", {"type": "response.function_call_arguments.done",
+                                                           "item_id": item["id"], "output_index": index,
+                                                           "arguments": item["arguments"]})]
+        events.append(("response.output_item.done", {"type": "response.output_item.done", "output_index": index,
+                                                      "item": item}))
+    events.append(("response.completed", {"type": "response.completed", "response": done}))
+    for number, (_, data) in enumerate(events):
+        data["sequence_number"] = number
+    return done, events
 
 
 def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
@@ -280,23 +463,37 @@ def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> Threa
                 path = self.path.split("?", 1)[0].rstrip("/")
                 if path.endswith("/chat/completions"):
                     payload, chunks = chat_completion(engine, body)
-                    return self._sse(chunks) if body.get("stream") else self._json(200, payload)
+                    return self._sse([(None, c) for c in chunks] + [(None, "[DONE]")]) if body.get("stream") \
+                        else self._json(200, payload)
                 if path.endswith("/completions"):
                     return self._json(200, completion(engine, body))
+                if path.endswith("/messages/count_tokens"):
+                    from stepmill.addon.protocols import anthropic_messages
+
+                    request = _canonical(anthropic_messages.parse_request, {"messages": [], **body})
+                    prompt = engine.render(request.messages, function_tools(body.get("tools")))
+                    return self._json(200, {"input_tokens": len(engine.encode(prompt))})
+                if path.endswith("/messages"):
+                    payload, events = anthropic_message(engine, body)
+                    return self._sse(events) if body.get("stream") else self._json(200, payload)
+                if path.endswith("/responses"):
+                    payload, events = response(engine, body)
+                    return self._sse(events) if body.get("stream") else self._json(200, payload)
                 return self._error(404, f"no route {self.path}")
             except (ValueError, BadRequest) as exc:
                 return self._error(400, str(exc))
 
-        def _sse(self, chunks: list[dict]):
+        def _sse(self, events: list[tuple[str | None, dict | str]]):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.send_header("Connection", "close")  # the body ends when the connection does
             self.end_headers()
-            for chunk in chunks:
-                self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            for name, data in events:
+                head = f"event: {name}\n".encode() if name else b""
+                payload = data if isinstance(data, str) else json.dumps(data)
+                self.wfile.write(head + b"data: " + payload.encode() + b"\n\n")
                 self.wfile.flush()
-            self.wfile.write(b"data: [DONE]\n\n")
             self.close_connection = True
 
     server = ThreadingHTTPServer((host, port), Handler)
