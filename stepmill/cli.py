@@ -493,15 +493,21 @@ def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait):
 @click.option("--base-url", default="http://127.0.0.1:8000/v1", show_default=True,
               help="The LLM endpoint the agents use (a vLLM server, an API, `stepmill simulate-llm`).")
 @click.option("--model", default="default", show_default=True)
+@click.option("--recipes", is_flag=True, help="Also define the Claude Code, Codex and mini-swe-agent agents.")
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
-def init(path, base_url, model, force):
+def init(path, base_url, model, recipes, force):
     """Write a commented example rollout configuration (agents, dataset, route, run, rewards)."""
+    from importlib import resources
+
     from .demo import example_config
 
     target = Path(path)
     if target.exists() and not force:
         raise click.ClickException(f"{target} exists; --force to overwrite it")
-    target.write_text(example_config(base_url, model))
+    text = example_config(base_url, model)
+    if recipes:
+        text += "\n" + (resources.files("stepmill") / "data" / "agent-recipes.toml").read_text()
+    target.write_text(text)
     click.echo(f"wrote {target}: edit [route] base_url, then: stepmill rollout {target}", err=True)
 
 

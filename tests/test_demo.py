@@ -60,3 +60,5 @@ def test_init_writes_the_commented_example(tmp_path):
     assert config.run.agent == ["tool-loop", "token-loop"] and config.run.n == 4
     again = subprocess.run(STEPMILL + ["init", str(target)], capture_output=True, text=True)
     assert again.returncode != 0 and "--force" in again.stderr
+    subprocess.run(STEPMILL + ["init", str(target), "--recipes", "--force"], check=True, capture_output=True)
+    assert {"claude-code", "codex", "mini-swe-agent"} <= set(load(target).agents)
