@@ -236,8 +236,12 @@ def load(path: str | Path) -> Config:
         fail("route", "reverse", "true or false")
     if route.get("reverse") and not route.get("base_url"):
         fail("route", "reverse", "needs route.base_url (the upstream the reverse proxy forwards to)")
-    if route.get("reverse") and isinstance(data.get("proxy"), dict) and data["proxy"].get("url"):
+    running = isinstance(data.get("proxy"), dict) and data["proxy"].get("url")
+    if route.get("reverse") and running:
         fail("route", "reverse", "needs the proxy the runner starts (leave out proxy.url)")
+    if route.get("engines") and running:
+        fail("route", "engines", "applies to the proxy the runner starts; start yours with "
+                                 "--set stepmill_engine_hosts=host:port (or leave out proxy.url)")
     if "tokenizer" in route:
         if not isinstance(route["tokenizer"], str):
             fail("route", "tokenizer", "a path is required")

@@ -305,8 +305,7 @@ def completion(engine: Engine, body: dict) -> dict:
         text, prompt_ids = prompt, engine.encode(prompt)
     else:
         raise BadRequest("prompt must be a string or a list of token ids")
-    tools = [{"type": "function", "function": {"name": "calculator"}}] if "<tools>" in text else []
-    reply, ids, logprobs = engine.generate(text, tools)
+    reply, ids, logprobs = engine.generate(text, tools_in_prompt(text))
     choice = {"index": 0, "text": reply.text, "finish_reason": "stop",
               "logprobs": None if body.get("logprobs") is None else {
                   "tokens": engine.tokenizer.convert_ids_to_tokens(ids), "token_logprobs": logprobs,
@@ -318,6 +317,21 @@ def completion(engine: Engine, body: dict) -> dict:
             "model": body.get("model") or MODEL, "system_fingerprint": "stepmill-simulated", "choices": [choice],
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                       "total_tokens": len(prompt_ids) + len(ids)}}
+
+
+_TOOLS_BLOCK = re.compile(r"<tools>(.*?)</tools>", re.S)
+
+
+def tools_in_prompt(text: str) -> list[dict]:
+    """The tools a raw Qwen-format prompt lists (one JSON object a line inside <tools>)."""
+    blocks = _TOOLS_BLOCK.findall(text)  # the last: the template also names the tags in its prose
+    tools = []
+    for line in (blocks[-1].splitlines() if blocks else []):
+        try:
+            tools.append(json.loads(line))
+        except ValueError:
+            continue
+    return function_tools(tools)
 
 
 def _canonical(parse, body: dict):

@@ -36,6 +36,7 @@ def binary(name: str) -> str | None:
     return str(bundled) if bundled.exists() else shutil.which(command)
 
 
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", list(BINARIES))
 def test_recipe_through_the_runner(name, proxy, simulated_llm, marker, tmp_path):
     path = binary(name)

@@ -3,11 +3,14 @@
 import json
 import subprocess
 
+import pytest
+
 from stepmill.store import Store
 
 from .conftest import STEPMILL
 
 
+@pytest.mark.timeout(600)
 def test_the_demo_runs_every_stage(tmp_path):
     folder = tmp_path / "demo"
     done = subprocess.run(STEPMILL + ["demo", "--dir", str(folder), "--no-wait"], capture_output=True, text=True,

@@ -172,6 +172,7 @@ function = "stepmill.store.reward_functions:math_answer"
     return config
 
 
+@pytest.mark.timeout(300)
 def test_both_shipped_agents_against_the_simulated_llm(proxy, simulated_llm, marker, tmp_path):
     """Three tasks × two agents × n=4: the black-box loop through the proxy, the white-box loop token
     in / token out with its steps submitted by the runner; both with exact Qwen2 ids, grouped, scored."""
@@ -255,3 +256,21 @@ def test_agent_and_route_errors(tmp_path, agent, route, message):
                       '[run]\nagent = "a"\ndataset = "x"\n')
     done = subprocess.run(STEPMILL + ["rollout", str(config)], capture_output=True, text=True)
     assert done.returncode != 0 and message in done.stderr, done.stderr
+
+
+def test_parquet_datasets_and_bundled_ones(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stepmill.rollout_config import load
+
+    pq.write_table(pa.table({"prompt": ["What is 1 + 1?", "What is 2 + 2?"], "answer": ["2", "4"]}),
+                   tmp_path / "tasks.parquet")
+    config = tmp_path / "r.toml"
+    config.write_text('[[agent]]\nname = "a"\ncommand = ["true"]\n\n[[dataset]]\nname = "p"\npath = "tasks.parquet"\n\n'
+                      '[[dataset]]\nname = "b"\npath = "stepmill:arith20"\n\n[run]\nagent = "a"\ndataset = "p"\n')
+    loaded = load(config)
+    assert [(t["id"], t["prompt"], t["answer"]) for t in loaded.tasks("p")] == [
+        ("1", "What is 1 + 1?", "2"), ("2", "What is 2 + 2?", "4")]
+    bundled = loaded.tasks("b")
+    assert len(bundled) == 20 and bundled[0]["id"] == "t01" and bundled[0]["answer"] == "395"

@@ -108,3 +108,60 @@ def test_find_expression_never_fails(text):
 def test_find_expression_finds_the_task(numbers, operators, wording):
     expression = str(numbers[0]) + "".join(f" {o} {n}" for o, n in zip(operators, numbers[1:]))
     assert find_expression(wording.format(expression)) == expression
+
+
+BASH = {"name": "Bash", "description": "Run a shell command.",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_messages_for_claude_code(proxy, simulated_llm, marker, stream):
+    """What Claude Code needs: Messages with a shell tool, streamed or not, through the proxy."""
+    import anthropic
+
+    verify = ssl.create_default_context(cafile=proxy.env["SSL_CERT_FILE"])
+    http = httpx2.Client(proxy=proxy.url, verify=verify, timeout=30, trust_env=False)
+    client = anthropic.Anthropic(api_key="sk-ant-local", base_url=simulated_llm.url.removesuffix("/v1"),
+                                 http_client=http, max_retries=0)
+    messages = [{"role": "user", "content": f"[{marker}] What is 12 * 12?"}]
+    seen = set()
+    for _ in range(12):  # the coin picks the tool or a direct answer; both shapes must come out whole
+        if stream:
+            with client.messages.stream(model="claude-sim", max_tokens=256, messages=messages, tools=[BASH]) as s:
+                message = s.get_final_message()
+        else:
+            message = client.messages.create(model="claude-sim", max_tokens=256, messages=messages, tools=[BASH])
+        kinds = [block.type for block in message.content]
+        if message.stop_reason == "tool_use":
+            call = next(b for b in message.content if b.type == "tool_use")
+            assert call.name == "Bash" and call.input == {"command": "python3 -c 'print(12 * 12)'"}
+        else:
+            assert message.stop_reason == "end_turn" and kinds == ["text"] and "\\boxed{" in message.content[0].text
+        seen.add(message.stop_reason)
+        if len(seen) == 2:
+            break
+    assert seen == {"tool_use", "end_turn"}
+    steps = proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"], count=2)
+    assert {s["api"] for s in steps} == {"anthropic.messages"} and {s["status"] for s in steps} == {"ok"}
+
+
+def test_responses_for_codex(proxy, simulated_llm, marker):
+    """What Codex needs: Responses over SSE, a function call with its argv, then the answer to its output."""
+    client = _through_proxy(proxy, simulated_llm)
+    shell = {"type": "function", "name": "shell", "description": "Run a command.", "parameters": {
+        "type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}}}}
+    inputs = [{"role": "user", "content": f"[{marker}] What is 3 * (400 - 256) + 12?"}]
+    for _ in range(12):
+        with client.responses.stream(model="qwen-sim", input=inputs, tools=[shell]) as stream:
+            final = stream.get_final_response()
+        calls = [item for item in final.output if item.type == "function_call"]
+        if calls:
+            break
+    assert calls, "the coin never chose the tool in 12 tries"
+    assert json.loads(calls[0].arguments) == {"command": ["bash", "-lc", "python3 -c 'print(3 * (400 - 256) + 12)'"]}
+    inputs += [{"type": "function_call", "call_id": calls[0].call_id, "name": "shell", "arguments": calls[0].arguments},
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Exit code: 0\nOutput:\n444\n"}]
+    answer = client.responses.create(model="qwen-sim", input=inputs, tools=[shell])
+    assert "\\boxed{" in answer.output_text and "444" in answer.output_text
+    steps = proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"], count=2)
+    assert {s["api"] for s in steps} == {"openai.responses"} and {s["status"] for s in steps} == {"ok"}
