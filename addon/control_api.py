@@ -273,8 +273,9 @@ class ControlAPI:
             if data.get("trajectory_id") and rows[0]["trajectory_id"] != data["trajectory_id"]:
                 raise ApiError(400, f"parent_step_id {parent!r} belongs to another trajectory")
             data.setdefault("trajectory_id", rows[0]["trajectory_id"])
-        elif data.get("trajectory_id"):
-            # White-box agents submit turns in order: by default a step continues the latest one.
+        elif data.get("trajectory_id") and "parent_step_id" not in data:
+            # White-box agents submit turns in order: by default a step continues the latest one
+            # (an explicit "parent_step_id": null starts the trajectory afresh: a root).
             rows = self.store.query(
                 "SELECT id FROM steps WHERE trajectory_id = ? ORDER BY step_index DESC, rowid DESC LIMIT 1",
                 [data["trajectory_id"]])

@@ -153,7 +153,10 @@ def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> 
         except ControlError as exc:
             if exc.status != 409:
                 raise
-            proxy.client.update_trajectory(trajectory, metadata=metadata)  # a run cut short before: again
+            # A run cut short before runs again: what it sent stays, labelled bad, so the gate keeps it out.
+            proxy.client.update_trajectory(trajectory, metadata=metadata)
+            for row in store.query("SELECT id FROM steps WHERE trajectory_id = ?", [trajectory]):
+                proxy.client.review(row["id"], "label", "bad", reviewer="stepmill-rollout")
         workdir = tempfile.mkdtemp(prefix=f"stepmill-run-{trajectory}-")
         values = {"task": task["prompt"], "model": run.model, "workdir": workdir, "trajectory": trajectory,
                   "group": group, "base_url": config.route.base_url or "", "origin": origin(config.route.base_url),
@@ -288,7 +291,8 @@ def submit_steps(stream, client: StepmillClient, submitted: dict, tags: dict) ->
             step = json.loads(line)
             if not isinstance(step, dict):
                 raise ValueError("a step is a JSON object")
-            client.submit_step(**{**step, **tags, "step_index": index,
+            first = {"parent_step_id": None} if index == 0 else {}  # a root, even after a cut-short run
+            client.submit_step(**{**step, **tags, **first, "step_index": index,
                                   "metadata": {**(step.get("metadata") or {}), **tags["metadata"]}})
             submitted["steps"] += 1
         except (ValueError, ControlError) as exc:

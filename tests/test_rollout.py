@@ -274,3 +274,45 @@ def test_parquet_datasets_and_bundled_ones(tmp_path):
         ("1", "What is 1 + 1?", "2"), ("2", "What is 2 + 2?", "4")]
     bundled = loaded.tasks("b")
     assert len(bundled) == 20 and bundled[0]["id"] == "t01" and bundled[0]["answer"] == "395"
+
+
+@pytest.mark.timeout(300)
+def test_a_white_box_run_cut_short_runs_again_cleanly(proxy, simulated_llm, marker, tmp_path):
+    """Ctrl-C keeps what a white-box run submitted; the rerun labels it bad (out of the gate) and
+    starts its own token sequence from a root."""
+    import os
+    import signal
+    import time
+
+    from .conftest import TESTS
+
+    config = _sim_config(tmp_path, proxy, simulated_llm, marker, agents=["token-loop"], n=1, tasks=1)
+    slow = config.read_text().replace('entry = "stepmill.agents.token_loop:run"',
+                                      'entry = "tests.whitebox_agents:generate_then_wait"\n'
+                                      f'env = {{ PYTHONPATH = "{TESTS.parent}" }}')
+    config.write_text(slow)
+    trajectory = f"sim-{marker}-t01-0"
+    process = subprocess.Popen(STEPMILL + ["rollout", str(config), "--no-progress"], stderr=subprocess.PIPE, text=True,
+                               env={**os.environ})
+    store = proxy.store()
+    deadline = time.time() + 60
+    while not store.query("SELECT id FROM steps WHERE trajectory_id = ?", [trajectory]):
+        assert time.time() < deadline and process.poll() is None, "the white-box run submitted nothing"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    process.communicate(timeout=60)
+    [old] = store.query("SELECT id FROM steps WHERE trajectory_id = ?", [trajectory])
+
+    config.write_text(slow.replace('entry = "tests.whitebox_agents:generate_then_wait"',
+                                   'entry = "stepmill.agents.token_loop:run"'))
+    done = _rollout(config)
+    assert "1 runs finished (0 failed, 0 timed out)" in done.stderr, done.stderr
+    steps = store.query("SELECT id, parent_step_id, step_index, consistency FROM steps WHERE trajectory_id = ? "
+                        "ORDER BY rowid", [trajectory])
+    assert steps[0]["id"] == old["id"] and len(steps) >= 2
+    new = steps[1:]
+    assert new[0]["parent_step_id"] is None and new[0]["step_index"] == 0 and new[0]["consistency"] == "root"
+    assert all(s["parent_step_id"] != old["id"] for s in new)
+    assert store.curation(old["id"])["review"]["label"] == "bad"
+    gate = store.gate_counts("s.trajectory_id = ?", [trajectory])
+    assert gate["removed"] == 1 and gate["kept"] == len(new)
