@@ -5,6 +5,7 @@ import http.cookiejar
 import json
 import re
 import subprocess
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -29,9 +30,22 @@ def ui_with_link(proxy):
         return re.search(r"(http://\S+/-/auth-token\?token=\w+)", line)
 
     found = wait_until(link, timeout=60, what="the sign-in link stepmill ui prints")
+    threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()  # a full pipe would block it
+    # Datasette prints the link before its server listens: wait until it answers.
+    wait_until(lambda: _answers(f"http://127.0.0.1:{port}/-/versions.json"), timeout=60, what="datasette listening")
     yield f"http://127.0.0.1:{port}", found.group(1)
     process.terminate()
     process.wait(15)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5):
+            return True
+    except urllib.error.HTTPError:
+        return True  # it answered, if only to refuse
+    except OSError:
+        return False
 
 
 def _two_steps(proxy, marker) -> str:
