@@ -478,8 +478,14 @@ def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait):
                if importlib.util.find_spec(name) is None]
     if missing:
         raise click.ClickException(f"the demo needs {', '.join(missing)}: pip install 'stepmill[demo]'")
+    import signal
+
     from .demo import run_demo
 
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)  # a plain kill stops the simulated LLM, proxy and UI too
     try:
         run_demo(Path(folder), n=rollouts, tasks=tasks, concurrency=concurrency, ui=not no_ui, wait=not no_wait,
                  ui_port=ui_port)

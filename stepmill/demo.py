@@ -19,6 +19,7 @@ import urllib.request
 from importlib import resources
 from pathlib import Path
 
+from .children import die_with_parent
 from .rollout import free_port
 from .simulated_llm import LABEL, MODEL
 
@@ -75,7 +76,8 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
         log = folder / "simulated-llm.log"
         with open(log, "wb") as out:
             children.append(subprocess.Popen([sys.executable, "-m", "stepmill.simulated_llm", "--port", str(port),
-                                              "--tokenizer", str(tokenizer)], stdout=out, stderr=subprocess.STDOUT))
+                                              "--tokenizer", str(tokenizer)], stdout=out, stderr=subprocess.STDOUT,
+                                             preexec_fn=die_with_parent))
         base_url = f"http://127.0.0.1:{port}/v1"
         _wait_for(f"{base_url}/models", children[-1], "the simulated LLM", log)
         info(f"SIMULATED LLM at {base_url}: {LABEL}")
@@ -180,7 +182,8 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
             ui_log = folder / "ui.log"
             with open(ui_log, "wb") as out_log:
                 children.append(subprocess.Popen([sys.executable, "-m", "stepmill.cli", "ui", "--db", str(db),
-                                                  "--port", str(ui_port)], stdout=out_log, stderr=subprocess.STDOUT))
+                                                  "--port", str(ui_port)], stdout=out_log, stderr=subprocess.STDOUT,
+                                                 preexec_fn=die_with_parent))
             home = f"http://127.0.0.1:{ui_port}"
             _wait_for(f"{home}/-/stepmill/lifecycle", children[-1], "the UI", ui_log)
             summary["ui"] = home

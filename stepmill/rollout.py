@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .children import die_with_parent
 from .client import ControlError, StepmillClient
 from .proxy_env import agent_env
 from .rollout_config import Config, Route
@@ -68,7 +69,7 @@ class ProxyHandle:
                 self.process = subprocess.Popen(
                     [sys.executable, "-m", "stepmill.cli", "proxy", "--port", str(port), "--db", self.db,
                      "--confdir", self.confdir, *args, *proxy.get("args", [])], stdout=log,
-                    stderr=subprocess.STDOUT)
+                    stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         from .token import ensure_token
 
         ensure_token(self.confdir)  # a proxy started here creates it too; the client reads it now
@@ -80,6 +81,7 @@ class ProxyHandle:
                 break
             except OSError:
                 if time.time() > deadline or (self.process and self.process.poll() is not None):
+                    self.close()
                     where = f" (its log: {self.log})" if self.process else ""
                     raise RuntimeError(f"the proxy at {self.url} does not answer{where}") from None
                 time.sleep(0.2)
@@ -98,9 +100,12 @@ class ProxyHandle:
         return env
 
     def close(self):
-        if self.process is not None:
+        if self.process is not None and self.process.poll() is None:
             self.process.terminate()
-            self.process.wait(30)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
 
 
 def free_port() -> int:
@@ -112,8 +117,15 @@ def free_port() -> int:
 
 
 def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> Report:
-    run = config.run
     proxy = ProxyHandle(config, db)
+    try:
+        return _rollout(config, proxy, progress)
+    finally:
+        proxy.close()  # whatever happened, a proxy started here stops here
+
+
+def _rollout(config: Config, proxy: ProxyHandle, progress: bool) -> Report:
+    run = config.run
     from stepmill.store import Store
 
     store = Store(proxy.db, readonly=True)
@@ -187,7 +199,7 @@ def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> 
                                        stdout=subprocess.PIPE if agent.entry else log,
                                        stderr=log if agent.entry else subprocess.STDOUT,
                                        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                       start_new_session=True)
+                                       start_new_session=True, preexec_fn=die_with_parent)
             with lock:  # registered, or stopped at once: an interrupt never misses a run that just started
                 processes[trajectory] = process
                 report.running += 1
@@ -256,7 +268,6 @@ def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> 
             _print_progress(report, store, run.dataset, end="\n")
         if not report.interrupted and config.rewards:
             _score(config, proxy.db, run.dataset)
-        proxy.close()
     return report
 
 

@@ -316,3 +316,42 @@ def test_a_white_box_run_cut_short_runs_again_cleanly(proxy, simulated_llm, mark
     assert store.curation(old["id"])["review"]["label"] == "bad"
     gate = store.gate_counts("s.trajectory_id = ?", [trajectory])
     assert gate["removed"] == 1 and gate["kept"] == len(new)
+
+
+def test_kill_9_of_the_runner_leaves_no_process_behind(tmp_path, proxy, simulated_llm, marker):
+    """The proxy the runner started and the runs it holds stop with it, even when it is killed."""
+    import signal
+    import time
+    from pathlib import Path
+
+    config = _sim_config(tmp_path, proxy, simulated_llm, marker, agents=["tool-loop"], n=2, tasks=1,
+                         proxy_section=False)
+    config.write_text(config.read_text().replace(
+        'command = ["{python}", "-m", "stepmill.agents.tool_loop", "--model", "{model}"]',
+        'command = ["{python}", "-c", "import time; time.sleep(120)"]'))
+    runner = subprocess.Popen(STEPMILL + ["rollout", str(config), "--no-progress"], stderr=subprocess.DEVNULL)
+
+    def children() -> set[int]:
+        found = set()
+        for task in Path(f"/proc/{runner.pid}/task").iterdir():
+            found |= {int(p) for p in (task / "children").read_text().split()}
+        return found
+
+    deadline = time.time() + 60
+    while len(children()) < 3:  # the proxy and two runs
+        assert time.time() < deadline and runner.poll() is None, "the runner did not start its proxy and runs"
+        time.sleep(0.2)
+    started = children()
+    runner.send_signal(signal.SIGKILL)
+    runner.wait(10)
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + 30
+    while any(alive(pid) for pid in started):
+        assert time.time() < deadline, f"still running after the runner died: {[p for p in started if alive(p)]}"
+        time.sleep(0.2)

@@ -1,0 +1,18 @@
+"""Helper processes (a proxy, the simulated LLM, the UI) that never outlive the command that started them."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """A ``preexec_fn``: on Linux the child gets SIGTERM when its parent dies, even by kill -9."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            pass  # no prctl: the parent's own cleanup still stops the child
