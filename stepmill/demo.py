@@ -34,10 +34,15 @@ def info(text: str) -> None:
     print(f"   {text}", flush=True)
 
 
-def example_config(base_url: str, model: str) -> str:
+def example_config(base_url: str, model: str, *, dataset: str = "stepmill:arith20", n: int = 4,
+                   concurrency: int = 6, confdir: Path | None = None) -> str:
     """The commented example configuration (`stepmill init`), pointed at ``base_url``."""
     text = (resources.files("stepmill") / "data" / "rollout.example.toml").read_text()
-    return text.replace("@BASE_URL@", base_url).replace("@MODEL@", model)
+    proxy = f'[proxy]\nconfdir = "{confdir}"\n\n' if confdir else ""
+    for marker, value in (("@BASE_URL@", base_url), ("@MODEL@", model), ("@DATASET@", dataset), ("@N@", str(n)),
+                          ("@CONCURRENCY@", str(concurrency)), ("@PROXY@", proxy)):
+        text = text.replace(marker, value)
+    return text
 
 
 def _wait_for(url: str, process: subprocess.Popen, what: str, log: Path, timeout: float = 60) -> None:
@@ -85,10 +90,8 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
         bundled = (resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
         dataset.write_text("\n".join(bundled[:tasks]) + "\n")
         config_path = folder / "rollout.toml"
-        text = example_config(base_url, MODEL).replace('path = "stepmill:arith20"', 'path = "tasks.jsonl"')
-        text = text.replace("n = 4 ", f"n = {n} ").replace("concurrency = 6", f"concurrency = {concurrency}")
-        text = text.replace("# [proxy]", f'[proxy]\nconfdir = "{folder / "mitmproxy"}"\n# [proxy]', 1)
-        config_path.write_text(text)
+        config_path.write_text(example_config(base_url, MODEL, dataset="tasks.jsonl", n=n, concurrency=concurrency,
+                                              confdir=folder / "mitmproxy"))
         info(f"dataset: {dataset} ({min(tasks, len(bundled))} tasks with answers)")
         info(f"configuration: {config_path} (the commented example `stepmill init` writes)")
 

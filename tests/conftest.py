@@ -119,7 +119,7 @@ def start_proxy(tmp: Path, upstream: Upstream, *extra: str) -> Proxy:
     ]
     process = subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=tmp)
     try:
-        wait_until(lambda: _answers(control_port) or process.poll() is not None, timeout=60, what="proxy start")
+        wait_until(lambda: answers(f"http://127.0.0.1:{control_port}/v1/health") or process.poll() is not None, timeout=60, what="proxy start")
         if process.poll() is not None:
             raise RuntimeError(f"proxy exited: {log.read_text()}")
         exports = subprocess.run(STEPMILL + ["env", "--port", str(port), "--confdir", str(confdir)],
@@ -132,17 +132,6 @@ def start_proxy(tmp: Path, upstream: Upstream, *extra: str) -> Proxy:
         name, _, value = line.removeprefix("export ").partition("=")
         env[name] = shlex.split(value)[0]
     return Proxy(port, reverse_port, control_port, db, confdir, env, upstream, process, log)
-
-
-def _answers(port: int) -> bool:
-    """The control port answers (with mitmproxy's proxyauth on, it answers 401 to anonymous callers)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/health", timeout=5):
-            return True
-    except urllib.error.HTTPError:
-        return True
-    except OSError:
-        return False
 
 
 def addon_failures(log_text: str) -> list[str]:
@@ -185,7 +174,7 @@ def simulated_llm(tmp_path_factory):
                                stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/v1"
     try:
-        wait_until(lambda: process.poll() is not None or _answers_models(url), timeout=120, what="simulated LLM")
+        wait_until(lambda: process.poll() is not None or answers(f"{url}/models"), timeout=120, what="simulated LLM")
         assert process.poll() is None, log.read_text()
         yield SimulatedLLM(url, tokenizer)
     finally:
@@ -193,10 +182,13 @@ def simulated_llm(tmp_path_factory):
         process.wait(10)
 
 
-def _answers_models(url: str) -> bool:
+def answers(url: str) -> bool:
+    """Something listens at ``url`` (an HTTP error is an answer too)."""
     try:
-        with urllib.request.urlopen(f"{url}/models", timeout=5):
+        with urllib.request.urlopen(url, timeout=5):
             return True
+    except urllib.error.HTTPError:
+        return True
     except OSError:
         return False
 

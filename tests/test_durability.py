@@ -15,7 +15,7 @@ import httpx2
 import openai
 import pytest
 
-from .conftest import STEPMILL, free_port, start_proxy, stop_proxy, wait_until
+from .conftest import STEPMILL, answers, free_port, start_proxy, stop_proxy, wait_until
 
 # A call is in the journal this long after its last byte reached the agent (README: durability).
 JOURNAL_BOUND = 0.5
@@ -138,7 +138,7 @@ def test_many_processes_on_one_file(tmp_path, upstream, marker):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     outputs = []
     try:
-        wait_until(lambda: _answers(f"http://127.0.0.1:{ui_port}/-/versions.json"), timeout=60, what="datasette")
+        wait_until(lambda: answers(f"http://127.0.0.1:{ui_port}/-/versions.json"), timeout=60, what="datasette")
         one = _client(first)
         two = openai.OpenAI(api_key="sk-x", base_url=f"http://127.0.0.1:{second.reverse_port}/v1", max_retries=0)
         stop = threading.Event()
@@ -169,13 +169,3 @@ def test_many_processes_on_one_file(tmp_path, upstream, marker):
         stop_proxy(second)
         stop_proxy(first)
     _integrity(first.db)
-
-
-def _answers(url: str) -> bool:
-    try:
-        urllib.request.urlopen(url, timeout=2)
-        return True
-    except urllib.error.HTTPError:
-        return True
-    except OSError:
-        return False

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from .browser import CHROMIUM, Browser
-from .conftest import STEPMILL, free_port, wait_until
+from .conftest import STEPMILL, answers, free_port, wait_until
 
 
 @pytest.fixture
@@ -32,20 +32,10 @@ def ui_with_link(proxy):
     found = wait_until(link, timeout=60, what="the sign-in link stepmill ui prints")
     threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()  # a full pipe would block it
     # Datasette prints the link before its server listens: wait until it answers.
-    wait_until(lambda: _answers(f"http://127.0.0.1:{port}/-/versions.json"), timeout=60, what="datasette listening")
+    wait_until(lambda: answers(f"http://127.0.0.1:{port}/-/versions.json"), timeout=60, what="datasette listening")
     yield f"http://127.0.0.1:{port}", found.group(1)
     process.terminate()
     process.wait(15)
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5):
-            return True
-    except urllib.error.HTTPError:
-        return True  # it answered, if only to refuse
-    except OSError:
-        return False
 
 
 def _two_steps(proxy, marker) -> str:
