@@ -19,8 +19,7 @@ import urllib.request
 from importlib import resources
 from pathlib import Path
 
-from .children import die_with_parent
-from .rollout import free_port
+from .children import die_with_parent, free_port
 from .simulated_llm import LABEL, MODEL
 
 REAL_LLM_LINE = 'base_url = "http://your-vllm-host:8000/v1"   # in [route] of {config}'

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .children import die_with_parent
+from .children import die_with_parent, free_port
 from .client import ControlError, StepmillClient
 from .proxy_env import agent_env
 from .rollout_config import Config, Route
@@ -40,6 +40,7 @@ class Report:
     running: int = 0
     interrupted: bool = False
     trajectories: list = field(default_factory=list)
+    shown_at: float = 0.0  # when progress was last written to a log
 
 
 class ProxyHandle:
@@ -60,9 +61,8 @@ class ProxyHandle:
             if route.engines:
                 args += ["--set", f"stepmill_engine_hosts={','.join(route.engines)}"]
             if route.reverse:  # agents that only take a base URL get a tagged one on a second port
-                parts = urllib.parse.urlsplit(route.base_url)
                 reverse_port = free_port()
-                args += ["--mode", f"reverse:{parts.scheme}://{parts.netloc}@{reverse_port}"]
+                args += ["--mode", f"reverse:{origin(route.base_url)}@{reverse_port}"]
                 self.reverse_url = f"http://127.0.0.1:{reverse_port}"
             self.log = Path(tempfile.gettempdir()) / f"stepmill-rollout-proxy-{port}.log"
             with open(self.log, "wb") as log:
@@ -106,14 +106,6 @@ class ProxyHandle:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> Report:
@@ -331,18 +323,15 @@ def _print_progress(report: Report, store, dataset: str, end: str | None = None)
     if end is None:
         if not sys.stderr.isatty():
             now = time.monotonic()
-            if now - _LAST_LINE[0] < 5:
+            if now - report.shown_at < 5:
                 return
-            _LAST_LINE[0] = now
+            report.shown_at = now
         end = "\r" if sys.stderr.isatty() else "\n"
     steps = store.query("SELECT count(*) AS n, coalesce(sum(s.output_tokens), 0) AS t FROM steps s "
                         "JOIN trajectories t ON t.id = s.trajectory_id WHERE t.id LIKE ?", [f"{dataset}-%"])[0]
     print(f"runs {report.done + report.skipped}/{report.total} done ({report.skipped} earlier), {report.running} "
           f"running, {report.failed} failed, {report.timed_out} timed out; {steps['n']} steps, "
           f"{steps['t']} output tokens   ", end=end, file=sys.stderr, flush=True)
-
-
-_LAST_LINE = [0.0]
 
 
 def _score(config: Config, db: str, dataset: str) -> None:

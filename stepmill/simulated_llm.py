@@ -29,6 +29,8 @@ import uuid
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from stepmill.store.linking import content_text
+
 MODEL = "stepmill-simulated-qwen"
 LABEL = "stepmill simulated LLM (not a model: seeded coin flips over arithmetic, real Qwen2 token ids)"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -185,7 +187,7 @@ class Engine:
     def render(self, messages: list[dict], tools: list[dict]) -> str:
         flat = []
         for m in messages:
-            message = {**m, "content": _text_of(m.get("content"))}
+            message = {**m, "content": content_text(m.get("content"))}
             if m.get("tool_calls"):
                 message["tool_calls"] = [c for c in m["tool_calls"] if isinstance(c, dict) and c.get("function")]
             flat.append(message)
@@ -204,12 +206,6 @@ class Engine:
         if self.delay:
             time.sleep(self.delay)
         return reply, ids, logprobs
-
-
-def _text_of(content) -> str:
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content if isinstance(content, str) else ("" if content is None else json.dumps(content))
 
 
 class BadRequest(ValueError):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from stepmill.children import free_port
 from stepmill.store import Store
 
 from .upstream import Upstream
@@ -25,12 +25,6 @@ TESTS = Path(__file__).parent
 STEPMILL = [sys.executable, "-m", "stepmill.cli"]
 # The Qwen2 tokenizer is built once per test session, never in the user's own cache.
 os.environ.setdefault("STEPMILL_CACHE", tempfile.mkdtemp(prefix="stepmill-test-cache-"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(check, timeout: float = 15.0, interval: float = 0.05, what: str = "condition"):
