@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mitmproxy import ctx, http
+from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 
 from stepmill.store.db import Store
@@ -38,7 +38,7 @@ from .ingest import call_header, is_create_frame, is_terminal_frame
 from .protocols import match, openai_responses
 from .recording import Call
 from .stream_tap import StreamTap
-from .writer import Handoff, ProcessWriter, ThreadWriter
+from .writer import PRIORITIES, Handoff, ProcessWriter, ThreadWriter
 
 log = logging.getLogger("stepmill")
 ENGINE_AUTH_HEADERS = ("authorization", "x-api-key", "api-key")
@@ -109,16 +109,25 @@ class StepmillAddon:
         loader.add_option("stepmill_writer", str, "process",
                           "Where steps are parsed and written: 'process' (a writer process of its own, on "
                           "another core) or 'thread' (a thread of the proxy).")
+        loader.add_option("stepmill_writer_priority", str, "idle",
+                          "CPU priority of the writer process: 'idle' (it runs only when a core is free, never "
+                          "delaying the proxy, agents or engines; commits lag while every core is busy), 'low' "
+                          "(nice 10) or 'normal'.")
 
     def configure(self, updated):
-        if self.db_path is None or "stepmill_db" in updated or "stepmill_writer" in updated:
+        if ctx.options.stepmill_writer_priority not in PRIORITIES:
+            raise exceptions.OptionsError(f"stepmill_writer_priority must be one of {', '.join(PRIORITIES)}, "
+                                          f"not {ctx.options.stepmill_writer_priority!r}")
+        if self.db_path is None or updated & {"stepmill_db", "stepmill_writer", "stepmill_writer_priority"}:
             self._stop_pipeline()
             self.db_path = ctx.options.stepmill_db
             store = Store(self.db_path)  # creates or migrates the file before anyone writes
             self.policy_version = store.policy_version()
             self.journal = Journal.create(self.db_path)
-            self.writer = (ThreadWriter if ctx.options.stepmill_writer == "thread" else ProcessWriter)(
-                self.db_path, self.journal)
+            if ctx.options.stepmill_writer == "thread":
+                self.writer = ThreadWriter(self.db_path, self.journal)
+            else:
+                self.writer = ProcessWriter(self.db_path, self.journal, ctx.options.stepmill_writer_priority)
             self.handoff = Handoff(self.journal, self.writer.notify)
             self.control = ControlAPI(store, self._endpoints, token=ensure_token(ctx.options.confdir),
                                       status=self._status, on_policy_version=self._set_policy_version)

@@ -7,8 +7,10 @@ WebSocket turns, resolving Responses chains, and the write with its fallbacks.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 
 from mitmproxy.net import encoding
 
@@ -57,26 +59,43 @@ class Ingest:
 
     def handle(self, header: dict, blobs: list[bytes]) -> str:
         """Record one finished exchange. Never raises but for the store's environment (locked, full)."""
+        return self.prepare(header, blobs)()
+
+    def prepare(self, header: dict, blobs: list[bytes]) -> Callable[[], str]:
+        """The CPU-heavy half (decoding, parsing, reassembling), done outside any transaction; returns
+        the other half, the write (linking, chains, SQLite), for the writer's transaction."""
         kind = header.get("kind")
         call = call_from(header)
         try:
             if kind == "websocket":
-                return self._turn(call, header, blobs)
-            if kind == "failure":
-                return recording.save_bare(self.store, call.api, header.get("error") or "stepmill failed",
-                                           started=header.get("started") or 0, transport="http",
-                                           raw_request=blobs[0], raw_response=blobs[1] if len(blobs) > 1 else None)
-            return self._http(call, header, blobs)
+                write = self._turn(call, header, blobs)
+            elif kind == "failure":
+                write = functools.partial(
+                    recording.save_bare, self.store, call.api, header.get("error") or "stepmill failed",
+                    started=header.get("started") or 0, transport="http", raw_request=blobs[0],
+                    raw_response=blobs[1] if len(blobs) > 1 else None)
+            else:
+                write = self._http(call, header, blobs)
+        except Exception as exc:
+            return functools.partial(self._unreadable, call, header, blobs, exc)
+        return functools.partial(self._write, write, call, header, blobs)
+
+    def _write(self, write: Callable[[], str], call: Call, header: dict, blobs: list[bytes]) -> str:
+        try:
+            return write()
         except recording.EnvironmentFailure:
             raise
         except Exception as exc:
-            return recording.save_bare(self.store, call.api, f"stepmill could not read this call: "
-                                       f"{type(exc).__name__}: {exc}", started=header.get("started") or 0,
-                                       transport=kind or "http", raw_request=blobs[0] if blobs else None,
-                                       raw_response=blobs[1] if len(blobs) > 1 else None)
+            return self._unreadable(call, header, blobs, exc)
+
+    def _unreadable(self, call: Call, header: dict, blobs: list[bytes], exc: Exception) -> str:
+        return recording.save_bare(self.store, call.api, f"stepmill could not read this call: "
+                                   f"{type(exc).__name__}: {exc}", started=header.get("started") or 0,
+                                   transport=header.get("kind") or "http", raw_request=blobs[0] if blobs else None,
+                                   raw_response=blobs[1] if len(blobs) > 1 else None)
 
     # -- HTTP and SSE -----------------------------------------------------------------------
-    def _http(self, call: Call, header: dict, blobs: list[bytes]) -> str:
+    def _http(self, call: Call, header: dict, blobs: list[bytes]) -> Callable[[], str]:
         module = MODULES[call.api]
         raw_request, raw_response = blobs[0], blobs[1] if len(blobs) > 1 else b""
         request_body, problem = decoded(raw_request, header.get("request_encoding"))
@@ -123,15 +142,18 @@ class Ingest:
             if error and status is not None and completion.status == "ok":
                 completion.status, completion.error = "incomplete", error
         completion.notes = list(completion.notes) + notes
-        messages, wire = self.resolve_chain(request) if request is not None else ([], [])
-        return recording.record_call(
-            self.store, call, request, parse_error, completion, messages, wire, transport=transport,
-            started=header["started"], ended=header.get("ended") or header["started"], ttft_ms=ttft,
-            http_status=header.get("http_status"), policy_version=header.get("policy_version"),
-            keep_raw=bool(header.get("keep_raw")), raw_request=raw_request, raw_response=raw_response)
+
+        def write() -> str:
+            messages, wire = self.resolve_chain(request) if request is not None else ([], [])
+            return recording.record_call(
+                self.store, call, request, parse_error, completion, messages, wire, transport=transport,
+                started=header["started"], ended=header.get("ended") or header["started"], ttft_ms=ttft,
+                http_status=header.get("http_status"), policy_version=header.get("policy_version"),
+                keep_raw=bool(header.get("keep_raw")), raw_request=raw_request, raw_response=raw_response)
+        return write
 
     # -- WebSocket turns ------------------------------------------------------------------------
-    def _turn(self, call: Call, header: dict, blobs: list[bytes]) -> str:
+    def _turn(self, call: Call, header: dict, blobs: list[bytes]) -> Callable[[], str]:
         frames = header.get("frames") or []  # [time, blob index] of the server frames; blob 0 is the request
         raw_request = blobs[0]
         request, parse_error = None, None
@@ -155,20 +177,23 @@ class Ingest:
             completion.status, completion.error = "incomplete", cut
         elif cut:
             completion.error = f"{completion.error}; {cut}" if completion.error else cut
-        if request is not None and not request.generate:
-            if completion.response_id:
-                messages, wire = self.resolve_chain(request)
-                self.warmups[completion.response_id] = (messages, wire + list(completion.wire))
-                while len(self.warmups) > 1024:
-                    self.warmups.popitem(last=False)
-            return "warmup"
-        messages, wire = self.resolve_chain(request) if request is not None else ([], [])
         ttft = (first_output_at - header["started"]) * 1000 if first_output_at else None
-        return recording.record_call(
-            self.store, call, request, parse_error, completion, messages, wire, transport="websocket",
-            started=header["started"], ended=header.get("ended") or header["started"], ttft_ms=ttft, http_status=101,
-            policy_version=header.get("policy_version"), keep_raw=bool(header.get("keep_raw")),
-            raw_request=raw_request, raw_response=b"\n".join(blobs[i] for _, i in frames))
+
+        def write() -> str:
+            if request is not None and not request.generate:
+                if completion.response_id:
+                    messages, wire = self.resolve_chain(request)
+                    self.warmups[completion.response_id] = (messages, wire + list(completion.wire))
+                    while len(self.warmups) > 1024:
+                        self.warmups.popitem(last=False)
+                return "warmup"
+            messages, wire = self.resolve_chain(request) if request is not None else ([], [])
+            return recording.record_call(
+                self.store, call, request, parse_error, completion, messages, wire, transport="websocket",
+                started=header["started"], ended=header.get("ended") or header["started"], ttft_ms=ttft,
+                http_status=101, policy_version=header.get("policy_version"), keep_raw=bool(header.get("keep_raw")),
+                raw_request=raw_request, raw_response=b"\n".join(blobs[i] for _, i in frames))
+        return write
 
     def resolve_chain(self, request: ParsedRequest) -> tuple[list, list]:
         """The full conversation of a Responses request that names its previous response."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from stepmill.store.db import Store
@@ -129,9 +131,10 @@ class Handoff:
 class Writer:
     """Commits journal entries to SQLite in batches; replays journals left by writers that died."""
 
-    def __init__(self, db_path: str, journal_folder: Path):
+    def __init__(self, db_path: str, journal_folder: Path, priority: Priority | None = None):
         self.db_path = db_path
         self.journal = Journal(journal_folder)
+        self.priority = priority or Priority("normal")
         self._wake = threading.Event()
         self._stop = False
         self.committed = 0
@@ -180,10 +183,11 @@ class Writer:
             entries = list(journal.read(position, BATCH_BYTES))
             if not entries:
                 return False
-            with store.batch() as conn:
-                for end, payload in entries:
-                    header, blobs = decode_entry(payload)
-                    ingest.handle(header, blobs)
+            # Parsing first, outside the transaction: the write lock is held only for the SQL.
+            writes = [ingest.prepare(*decode_entry(payload)) for _, payload in entries]
+            with self.priority.raised(), store.batch() as conn:
+                for write in writes:
+                    write()
                 conn.execute("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)",
                              [state_key(journal.id), str(entries[-1][0])])
         except (sqlite3.OperationalError, EnvironmentFailure) as exc:
@@ -229,9 +233,10 @@ class ThreadWriter:
 class ProcessWriter:
     """The writer in a process of its own: woken through its stdin, which also tells it the proxy is gone."""
 
-    def __init__(self, db_path: str, journal: Journal):
+    def __init__(self, db_path: str, journal: Journal, priority: str = "idle"):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "stepmill.addon.writer", "--db", db_path, "--journal", str(journal.folder)],
+            [sys.executable, "-m", "stepmill.addon.writer", "--db", db_path, "--journal", str(journal.folder),
+             "--priority", priority],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=None)
         self._lock = threading.Lock()
 
@@ -254,12 +259,55 @@ class ProcessWriter:
             self.process.terminate()
 
 
-def _serve_process(db_path: str, folder: Path) -> None:
-    try:
-        os.nice(10)  # background work: when cores are short, the proxy's event loop goes first
-    except OSError:
-        pass
-    writer = Writer(db_path, folder)
+PRIORITIES = ("idle", "low", "normal")
+
+
+class Priority:
+    """The writer's CPU priority.
+
+    idle: Linux's SCHED_IDLE; the writer parses only on a core nothing else wants, and a proxy, agent
+    or engine that wakes up takes the core at once. Its transactions run at nice 10 instead where the
+    process may switch back (root, CAP_SYS_NICE, or RLIMIT_NICE ≥ 10), so other writers never wait on
+    a lock held by a starved process. low: nice 10 throughout. normal: as the proxy.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.idle = False
+
+    def apply(self) -> None:
+        """In the writer process, before its threads start (they inherit it)."""
+        try:
+            if self.name in ("idle", "low"):
+                os.nice(10)
+            if self.name == "idle" and hasattr(os, "SCHED_IDLE"):
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                self.idle = True
+        except OSError as exc:
+            log.warning(f"stepmill: the writer keeps its CPU priority ({exc})")
+
+    @contextlib.contextmanager
+    def raised(self) -> Iterator[None]:
+        """Around a transaction: out of SCHED_IDLE while the write lock is held, where permitted."""
+        if not self.idle:
+            yield
+            return
+        try:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        except OSError:
+            self.idle = False  # not permitted here: the transaction runs at idle priority, as the parsing
+            yield
+            return
+        try:
+            yield
+        finally:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def _serve_process(db_path: str, folder: Path, priority: str) -> None:
+    chosen = Priority(priority)
+    chosen.apply()
+    writer = Writer(db_path, folder, chosen)
     thread = threading.Thread(target=writer.run, name="stepmill-writer", daemon=False)
     thread.start()
     stdin = sys.stdin.buffer.raw
@@ -278,11 +326,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="stepmill's writer: journal → SQLite")
     parser.add_argument("--db", required=True)
     parser.add_argument("--journal", required=True)
+    parser.add_argument("--priority", choices=PRIORITIES, default="idle")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     journal = Journal(Path(args.journal))
     journal.try_lock(shared=True)  # beside the proxy's own: the journal is no orphan while either lives
-    _serve_process(args.db, Path(args.journal))
+    _serve_process(args.db, Path(args.journal), args.priority)
 
 
 if __name__ == "__main__":

@@ -94,7 +94,10 @@ def main() -> None:
         await serve("127.0.0.1", args.https_port, events=args.events, delay=args.delay, tls=tls)
         await asyncio.Event().wait()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass  # the benchmark stops it with SIGINT
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ its processes (stepmill's writer included).
     .venv/bin/python -m bench.proxy_bench                       # about 3 minutes
     .venv/bin/python -m bench.proxy_bench --quick               # about 1 minute
     .venv/bin/python -m bench.proxy_bench --stepmill-args "--set stepmill_writer=thread"
+    .venv/bin/python -m bench.proxy_bench --variant thread="--set stepmill_writer=thread"
+
+``--variant NAME=ARGS`` (repeatable) adds another ``stepmill proxy`` with more arguments as a
+configuration of its own, interleaved with the others in the same run: the way to compare two
+settings when run-to-run noise is larger than their difference.
 """
 
 from __future__ import annotations
@@ -219,6 +224,8 @@ def main() -> None:
     parser.add_argument("--time-cap", type=float, default=4.0, help="seconds per cell and round, at most")
     parser.add_argument("--quick", action="store_true", help="one round, fewer requests, https only")
     parser.add_argument("--stepmill-args", default="", help="more arguments for `stepmill proxy`")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                        help="another `stepmill proxy` configuration, with these more arguments (repeatable)")
     parser.add_argument("--slow-streams", type=int, default=1000, help="streams open at once (0: skip)")
     parser.add_argument("--big-body", type=int, default=50, help="MiB of one request body (0: skip)")
     args = parser.parse_args()
@@ -237,18 +244,22 @@ def main() -> None:
     common = ["--set", f"confdir={confdir}", "--set", f"ssl_verify_upstream_trusted_ca={ca}",
               "--set", "connection_strategy=lazy"]
     bin_dir = Path(sys.executable).parent
-    ports = {"mitmdump": free_port(), "stepmill": free_port()}
-    commands = {
-        "mitmdump": [str(bin_dir / "mitmdump"), "-q", "--listen-host", "127.0.0.1", "--listen-port",
-                     str(ports["mitmdump"]), "-s", str(HERE / "stream_passthrough.py"), *common],
-        "stepmill": [str(bin_dir / "stepmill"), "proxy", "--host", "127.0.0.1", "--port", str(ports["stepmill"]),
-                     "--db", str(work / "bench.db"), "--confdir", str(confdir), *common[2:],
-                     *shlex.split(args.stepmill_args)],
-    }
+    stepmill_configs = {"stepmill": shlex.split(args.stepmill_args)}
+    for variant in args.variant:
+        name, sep, more = variant.partition("=")
+        if not sep or not name or name in ("direct", "mitmdump", "stepmill"):
+            parser.error(f"--variant takes NAME=ARGS with a new name, not {variant!r}")
+        stepmill_configs[name] = shlex.split(args.stepmill_args) + shlex.split(more)
+    ports = {name: free_port() for name in ("mitmdump", *stepmill_configs)}
+    commands = {"mitmdump": [str(bin_dir / "mitmdump"), "-q", "--listen-host", "127.0.0.1", "--listen-port",
+                             str(ports["mitmdump"]), "-s", str(HERE / "stream_passthrough.py"), *common]}
+    for name, more in stepmill_configs.items():
+        commands[name] = [str(bin_dir / "stepmill"), "proxy", "--host", "127.0.0.1", "--port", str(ports[name]),
+                          "--db", str(work / f"{name}.db"), "--confdir", str(confdir), *common[2:], *more]
     pids = {}
     try:
         wait_port(http_port)
-        for name in ("mitmdump", "stepmill"):  # the CA exists after the first start
+        for name in commands:  # the CA exists after the first start
             proc = subprocess.Popen(commands[name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             processes.append(proc)
             pids[name] = proc.pid
@@ -258,7 +269,7 @@ def main() -> None:
         context.load_verify_locations(str(confdir / "mitmproxy-ca-cert.pem"))
         cells = [Cell(config, workload, scheme, int(c))
                  for c in args.concurrency.split(",") for workload in args.workloads.split(",")
-                 for scheme in args.schemes.split(",") for config in ("direct", "mitmdump", "stepmill")]
+                 for scheme in args.schemes.split(",") for config in ("direct", *commands)]
 
         async def all_rounds():
             for _ in range(args.rounds):
