@@ -70,6 +70,7 @@ class Handoff:
         self.appended = 0
         self.failing: str | None = None  # why the journal does not take appends now
         self.delays: collections.deque = collections.deque(maxlen=1000)  # call end → in the journal, seconds
+        self._notified = 0.0
         self._wake = threading.Event()
         self._stop = False
         self.thread = threading.Thread(target=self._run, name="stepmill-handoff", daemon=True)
@@ -110,7 +111,11 @@ class Handoff:
                     self.memory -= size
                     self.delays.append(now - (header.get("ended") or now))
                 self.appended += len(batch)
-                self.notify()
+                # One wake-up per BATCH_WAIT is enough: a woken writer waits that long before it reads
+                # the journal, so it also sees what was appended since.
+                if time.monotonic() - self._notified >= BATCH_WAIT or self._stop:
+                    self._notified = time.monotonic()
+                    self.notify()
             if self._stop and not self.queue:
                 return
 

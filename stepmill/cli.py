@@ -25,12 +25,26 @@ PARAM_OPTION = click.option("-p", "--param", "params", multiple=True, type=(str,
 OWN_OPTIONS = {"confdir": "confdir", "stepmill_db": "db", "listen_host": "host", "listen_port": "port"}
 
 
+# mitmdump's own flags for two of them: `stepmill proxy --listen-port 9000` listens on 9000.
+OWN_FLAGS = {"--listen-host": "host", "--listen-port": "port", "-p": "port"}
+
+
 def take_own_options(extra: list[str]) -> tuple[list[str], dict[str, str]]:
-    """Pull ``--set name=value`` for the options `stepmill proxy` sets itself out of mitmdump's arguments."""
+    """Pull the options `stepmill proxy` sets itself (``--set name=value``, ``--listen-host``,
+    ``--listen-port``/``-p``) out of mitmdump's arguments."""
     rest, taken, i = [], {}, 0
     while i < len(extra):
         arg = extra[i]
         value = None
+        flag, eq, inline = arg.partition("=")
+        if arg in OWN_FLAGS and i + 1 < len(extra):
+            taken[OWN_FLAGS[arg]] = extra[i + 1]
+            i += 2
+            continue
+        if eq and flag in OWN_FLAGS and flag.startswith("--"):
+            taken[OWN_FLAGS[flag]] = inline
+            i += 1
+            continue
         if arg == "--set" and i + 1 < len(extra):
             value, step = extra[i + 1], 2
         elif arg.startswith("--set="):
@@ -56,7 +70,7 @@ def main():
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--control-port", type=int, default=None,
               help="Also answer the control API directly on this port (default: none; it is always "
-                   "reachable as http://stepmill.local through the proxy and under /_stepmill/ on the proxy port).")
+                   "reachable as http://stepmill.local through the proxy).")
 @DB_OPTION
 @CONFDIR_OPTION
 @click.argument("mitmproxy_args", nargs=-1, type=click.UNPROCESSED)
@@ -66,7 +80,8 @@ def proxy(port, host, control_port, db, confdir, mitmproxy_args):
     Extra arguments go to mitmdump as they are: more `-s` scripts, `--set name=value`,
     `--mode reverse:https://api.openai.com` for agents that only take a base URL,
     `--mode upstream:http://corp-proxy:3128`. `--set confdir=…`, `--set stepmill_db=…`,
-    `--set listen_host=…` and `--set listen_port=…` are the same as `--confdir`, `--db`, `--host`, `--port`.
+    `--set listen_host=…` and `--set listen_port=…` (and mitmdump's `--listen-host`, `--listen-port`, `-p`)
+    are the same as `--confdir`, `--db`, `--host`, `--port`.
     """
     from .proxy_env import ensure_bundle, ensure_ca
     from .proxy_master import run

@@ -6,6 +6,9 @@ coroutine, whether the addon handles the event or not. With its thirty-odd defau
 dispatch is most of what a proxied call costs. This master keeps mitmdump's addons, options and
 command line exactly (anything a user passes still works), and dispatches each event through a
 table of the callables that handle it, rebuilt whenever an addon is added, removed or loaded.
+The same table serves the synchronous ``trigger`` (options, log entries). mitmproxy also turns
+every log record, debug ones included, into a deprecated ``add_log`` event (formatted, and
+scheduled on the loop through a wake-up pipe); here that happens only while an addon handles it.
 The stepmill addon is part of the chain (after the user's scripts), not a script.
 """
 
@@ -15,6 +18,7 @@ import inspect
 import logging
 
 from mitmproxy import addonmanager, addons, exceptions, hooks, master
+from mitmproxy import log as mitmproxy_log
 from mitmproxy.addons import dumper, errorcheck, keepserving, readfile
 
 from .addon.capture import StepmillAddon
@@ -27,22 +31,35 @@ class LeanAddonManager(addonmanager.AddonManager):
         super().__init__(master_)
         self._table: dict[str, list] = {}
 
-    # Every way the chain changes (scripts load and reload through register/remove) clears the table.
+    # Every way the chain changes (scripts load and reload through register/remove) clears the table,
+    # after the change too: registering triggers events (configure) while the chain is half-built.
     def register(self, addon):
         self._table.clear()
-        return super().register(addon)
+        try:
+            return super().register(addon)
+        finally:
+            self._table.clear()
 
     def remove(self, addon):
         self._table.clear()
-        super().remove(addon)
+        try:
+            super().remove(addon)
+        finally:
+            self._table.clear()
 
     def add(self, *items):
         self._table.clear()
-        super().add(*items)
+        try:
+            super().add(*items)
+        finally:
+            self._table.clear()
 
     def clear(self):
         self._table.clear()
-        super().clear()
+        try:
+            super().clear()
+        finally:
+            self._table.clear()
 
     def _handlers(self, event: hooks.Hook) -> list:
         handlers = self._table.get(event.name)
@@ -50,6 +67,24 @@ class LeanAddonManager(addonmanager.AddonManager):
             handlers = [pair for addon in self.chain for pair in self._iter_hooks(addon, event)]
             self._table[event.name] = handlers
         return handlers
+
+    def handles(self, event: hooks.Hook) -> bool:
+        return bool(self._handlers(event))
+
+    def trigger(self, event: hooks.Hook):
+        args = event.args()
+        for addon, func in self._handlers(event):
+            try:
+                if inspect.iscoroutinefunction(func):
+                    raise exceptions.AddonManagerError(
+                        f"Async handler {event.name} ({addon}) cannot be called from sync context")
+                func(*args)
+            except exceptions.AddonHalt:
+                return
+            except exceptions.OptionsError:
+                raise
+            except Exception as exc:  # as mitmproxy's safecall
+                log.error(f"Addon error: {exc}", exc_info=True)
 
     async def trigger_event(self, event: hooks.Hook):
         args = event.args()
@@ -66,9 +101,22 @@ class LeanAddonManager(addonmanager.AddonManager):
                 log.error(f"Addon error: {exc}", exc_info=True)
 
 
+class LeanLogEvents(mitmproxy_log.LegacyLogEvents):
+    """``add_log`` events only while some addon has an ``add_log`` hook."""
+
+    _probe = mitmproxy_log.AddLogHook(mitmproxy_log.LogEntry("", "debug"))
+
+    def emit(self, record):
+        if self.master.addons.handles(self._probe):
+            super().emit(record)
+
+
 class StepmillMaster(master.Master):
     def __init__(self, opts, event_loop=None, with_termlog: bool = True):
         super().__init__(opts, event_loop=event_loop, with_termlog=False)
+        self._legacy_log_events.uninstall()
+        self._legacy_log_events = LeanLogEvents(self)
+        self._legacy_log_events.install()
         self.addons = LeanAddonManager(self)
         if with_termlog:
             from mitmproxy.addons import termlog

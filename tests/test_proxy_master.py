@@ -1,0 +1,110 @@
+"""`stepmill proxy`'s own master and command line: what a user passes through still works, and the
+writer runs at the priority asked for."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from stepmill.children import free_port
+from stepmill.cli import take_own_options
+
+from .conftest import STEPMILL, answers, http_json, wait_until
+
+ADD_LOG_SCRIPT = """
+from pathlib import Path
+
+class Collect:
+    def add_log(self, entry):
+        with open(Path(__file__).with_suffix(".log"), "a") as out:
+            out.write(f"{entry.level} {entry.msg}\\n")
+
+addons = [Collect()]
+"""
+
+
+def test_own_options_are_taken_in_every_spelling():
+    rest, own = take_own_options(["--listen-port", "9000", "--listen-host=0.0.0.0", "-s", "x.py",
+                                  "--set", "confdir=/c", "--set=stepmill_db=/d.db", "--set", "flow_detail=2"])
+    assert own == {"port": "9000", "host": "0.0.0.0", "confdir": "/c", "db": "/d.db"}
+    assert rest == ["-s", "x.py", "--set", "flow_detail=2"]
+    assert take_own_options(["-p", "81"]) == ([], {"port": "81"})
+    assert take_own_options(["--listen-port=82"]) == ([], {"port": "82"})
+
+
+def start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, int, Path]:
+    port, log = free_port(), tmp_path / "proxy.log"
+    process = subprocess.Popen(STEPMILL + ["proxy", "--db", str(tmp_path / "steps.db"), "--confdir",
+                                           str(tmp_path / "mitm"), *[a.replace("PORT", str(port)) for a in args]],
+                               stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    return process, port, log
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def writer_of(process: subprocess.Popen) -> int:
+    def find():
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                    cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                if int(stat[1]) == process.pid and b"stepmill.addon.writer" in cmdline:
+                    return int(entry)
+        return None
+    return wait_until(find, timeout=30, what="the writer process")
+
+
+def test_mitmdump_flags_and_add_log_hooks_pass_through(tmp_path):
+    """`--listen-port` (mitmdump's spelling) is the port listened on, and a user's script with the
+    deprecated add_log hook still gets log entries (stepmill only skips them while nobody listens)."""
+    script = tmp_path / "collect.py"
+    script.write_text(ADD_LOG_SCRIPT)
+    process, port, log = start(tmp_path, "--listen-port", "PORT", "-s", str(script))
+    try:
+        wait_until(lambda: answers(f"http://127.0.0.1:{port}/_stepmill/v1/health") or process.poll() is not None,
+                   timeout=60, what="proxy start")
+        assert process.poll() is None, log.read_text()
+        status, _ = http_json("GET", "http://stepmill.local/v1/health", proxy=f"http://127.0.0.1:{port}")
+        assert status == 200
+        entries = tmp_path / "collect.log"
+        wait_until(lambda: entries.exists() and "client connect" in entries.read_text(), what="add_log entries")
+    finally:
+        stop(process)
+
+
+@pytest.mark.parametrize("priority", ["idle", "low", "normal"])
+def test_writer_priority(tmp_path, priority):
+    process, port, log = start(tmp_path, "--port", "PORT", "--set", f"stepmill_writer_priority={priority}")
+    try:
+        writer = writer_of(process)
+        expected = {"idle": os.SCHED_IDLE, "low": os.SCHED_OTHER, "normal": os.SCHED_OTHER}[priority]
+        nice = 0 if priority == "normal" else 10
+        wait_until(lambda: (os.sched_getscheduler(writer), os.getpriority(os.PRIO_PROCESS, writer)) == (expected, nice),
+                   what=f"{priority} scheduling policy")
+        time.sleep(0.5)  # and it stays so
+        assert (os.sched_getscheduler(writer), os.getpriority(os.PRIO_PROCESS, writer)) == (expected, nice)
+    finally:
+        stop(process)
+
+
+def test_an_unknown_writer_priority_is_refused(tmp_path):
+    process, port, log = start(tmp_path, "--port", "PORT", "--set", "stepmill_writer_priority=fast")
+    try:
+        process.wait(60)
+    finally:
+        stop(process)
+    assert process.returncode != 0
+    assert "stepmill_writer_priority must be one of idle, low, normal, not 'fast'" in log.read_text()
