@@ -303,23 +303,23 @@ class StepmillAddon:
         if hosts and host not in hosts:
             return None
         api, module = found
-        websocket = request.method == "GET" and request.headers.get("upgrade", "").lower() == "websocket"
+        index = tagging.header_index(request.headers)
+        websocket = request.method == "GET" and index.get("upgrade", "").lower() == "websocket"
         if request.method != "POST" and not (websocket and module is openai_responses):
             return None
         # An LLM call: from here on the request may be changed (tags taken out, engine fields added).
         tags = tagging.Tags()
         if tagged:
             tags, request.path = tagged
-        tags = tags.merge(tagging.pop_header_tags(request.headers))
+        tags = tags.merge(tagging.pop_header_tags(request.headers, index))
         tags = tags.merge(self.connection_tags.get(flow.client_conn.id))
-        tags = tags.merge(self._credential_tags(request.headers.get("proxy-authorization")))
+        tags = tags.merge(self._credential_tags(index.get("proxy-authorization")))
         capture = Capture(
             call=Call(api=api, host=host, path=request.path.split("?", 1)[0], tags=tags,
-                      session_id=tagging.session_id(request.headers),
-                      headers=secrets.allowed_headers(request.headers), client_conn=flow.client_conn.id,
-                      default_channel=ctx.options.stepmill_channel),
+                      session_id=tagging.session_id(index), headers=secrets.allowed_headers(index),
+                      client_conn=flow.client_conn.id, default_channel=ctx.options.stepmill_channel),
             started=request.timestamp_start or time.time(), raw_request=request.raw_content or b"",
-            request_encoding=request.headers.get("content-encoding"), websocket=websocket,
+            request_encoding=index.get("content-encoding"), websocket=websocket,
         )
         flow.metadata["stepmill"] = capture
         return capture

@@ -56,16 +56,30 @@ def from_proxy_authorization(value: str | None) -> Tags | None:
     return Tags(unquote(user), unquote(password) or None)
 
 
-def pop_header_tags(headers) -> Tags | None:
+def header_index(headers) -> dict[str, str]:
+    """mitmproxy's request headers by lower-cased name, in one pass (each ``headers.get`` is a scan of
+    all of them); repeated headers are folded with ", " as ``headers.get`` does."""
+    index: dict[str, str] = {}
+    for name, value in headers.fields:
+        key = name.decode("latin-1").lower()
+        text = value.decode("utf-8", "surrogateescape")
+        index[key] = f"{index[key]}, {text}" if key in index else text
+    return index
+
+
+def pop_header_tags(headers, index: dict[str, str]) -> Tags | None:
     """Tags from the X-Stepmill-* headers, which are removed before the request goes upstream."""
-    values = [headers.pop(name, None) for name in (TRAJECTORY_HEADER, GROUP_HEADER, CHANNEL_HEADER)]
-    if not any(values):
+    names = (TRAJECTORY_HEADER, GROUP_HEADER, CHANNEL_HEADER)
+    values = [index.get(name) for name in names]
+    if not any(name in index for name in names):
         return None
-    return Tags(*values)
+    for name in names:
+        headers.pop(name, None)
+    return Tags(*values) if any(values) else None
 
 
-def session_id(headers) -> str | None:
+def session_id(index: dict[str, str]) -> str | None:
     for name in SESSION_HEADERS:
-        if headers.get(name):
-            return headers[name]
+        if index.get(name):
+            return index[name]
     return None

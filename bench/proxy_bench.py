@@ -207,6 +207,13 @@ async def big_body(url: str, proxy: str, context, pid: int, megabytes: int) -> d
             "rss_3s_later_mib": round(rss_mib(pid), 1)}
 
 
+def health(port: int) -> dict:
+    """stepmill's capture state, from its control API through the proxy."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": f"http://127.0.0.1:{port}"}))
+    with opener.open("http://stepmill.local/v1/health", timeout=10) as response:
+        return json.loads(response.read())["capture"]
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -294,11 +301,14 @@ def main() -> None:
                                                                         args.slow_streams)))
             if args.big_body:
                 print(f"{name}: big body", asyncio.run(big_body(url, proxy, context, pids[name], args.big_body)))
-        health = urllib.request.build_opener(urllib.request.ProxyHandler(
-            {"http": f"http://127.0.0.1:{ports['stepmill']}"})).open("http://stepmill.local/v1/health", timeout=10)
-        capture = json.loads(health.read())["capture"]
+        capture = health(ports["stepmill"])
         print(f"stepmill: call end → journal {capture['journal_delay_ms']} ms, "
-              f"{capture['journaled']} calls journaled, {capture['dropped']} dropped")
+              f"{capture['journaled']} calls journaled, {capture['dropped']} dropped, "
+              f"{capture['uncommitted_bytes']} journal bytes not yet in SQLite when the load stopped")
+        stopped = time.time()
+        while health(ports["stepmill"])["uncommitted_bytes"] and time.time() - stopped < 120:
+            time.sleep(0.05)
+        print(f"stepmill: everything committed {time.time() - stopped:.2f} s after the load stopped")
     finally:
         for proc in reversed(processes):
             proc.send_signal(signal.SIGINT)
