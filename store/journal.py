@@ -158,7 +158,11 @@ class Journal:
 
     # -- appending ----------------------------------------------------------------------
     def segments(self) -> list[Path]:
-        return sorted(self.folder.glob("*.seg"))
+        try:  # os.scandir: the writer lists them twice per batch, and pathlib's glob is slow at it
+            names = sorted(entry.name for entry in os.scandir(self.folder) if entry.name.endswith(".seg"))
+        except FileNotFoundError:
+            return []
+        return [self.folder / name for name in names]
 
     def _segment_path(self, number: int) -> Path:
         return self.folder / f"{number:08d}.seg"
