@@ -18,6 +18,11 @@ its processes (stepmill's writer included).
 ``--variant NAME=ARGS`` (repeatable) adds another ``stepmill proxy`` with more arguments as a
 configuration of its own, interleaved with the others in the same run: the way to compare two
 settings when run-to-run noise is larger than their difference.
+
+``--idle-burner FRACTION`` adds ``mitmdump+idle``: bare mitmdump while a process at idle CPU
+priority (``bench/idle_burner.py``) busy-loops that share of a core, as stepmill's writer does
+beside stepmill. On a machine whose cores slow each other, it shows what such background work
+costs any proxy, stepmill's design aside.
 """
 
 from __future__ import annotations
@@ -233,6 +238,8 @@ def main() -> None:
     parser.add_argument("--stepmill-args", default="", help="more arguments for `stepmill proxy`")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                         help="another `stepmill proxy` configuration, with these more arguments (repeatable)")
+    parser.add_argument("--idle-burner", type=float, default=0.0, metavar="FRACTION",
+                        help="also run bare mitmdump beside an idle-priority CPU load of this share of a core")
     parser.add_argument("--slow-streams", type=int, default=1000, help="streams open at once (0: skip)")
     parser.add_argument("--big-body", type=int, default=50, help="MiB of one request body (0: skip)")
     args = parser.parse_args()
@@ -274,9 +281,11 @@ def main() -> None:
         time.sleep(1.0)
         context = ssl.create_default_context(cafile=str(ca))
         context.load_verify_locations(str(confdir / "mitmproxy-ca-cert.pem"))
+        configs = ["direct", *commands] + (["mitmdump+idle"] if args.idle_burner else [])
         cells = [Cell(config, workload, scheme, int(c))
                  for c in args.concurrency.split(",") for workload in args.workloads.split(",")
-                 for scheme in args.schemes.split(",") for config in ("direct", *commands)]
+                 for scheme in args.schemes.split(",") for config in configs]
+        ports["mitmdump+idle"], pids["mitmdump+idle"] = ports["mitmdump"], pids["mitmdump"]
 
         async def all_rounds():
             for _ in range(args.rounds):
@@ -286,7 +295,15 @@ def main() -> None:
                     proxy = None if cell.config == "direct" else f"http://127.0.0.1:{ports[cell.config]}"
                     pid = pids.get(cell.config)
                     before = (cpu(pid), tree_cpu(pid)) if pid else (0, 0)
-                    await run_cell(cell, url, proxy, context, args.requests, args.time_cap)
+                    burner = subprocess.Popen([sys.executable, "-m", "bench.idle_burner", "--fraction",
+                                               str(args.idle_burner)], cwd=HERE.parent) \
+                        if cell.config == "mitmdump+idle" else None
+                    try:
+                        await run_cell(cell, url, proxy, context, args.requests, args.time_cap)
+                    finally:
+                        if burner is not None:
+                            burner.kill()
+                            burner.wait()
                     if pid:
                         cell.cpu_main += cpu(pid) - before[0]
                         cell.cpu_all += tree_cpu(pid) - before[1]
@@ -336,6 +353,11 @@ def report(cells: list[Cell], args) -> None:
         print(f"| {cell.workload} | {cell.scheme} | {cell.concurrency} | {cell.config} | {rps:.0f} | {ratio} | "
               f"{pct(cell.latencies, 0.5):.1f} | {pct(cell.latencies, 0.99):.1f} | {ttft} | {main_cpu} | {all_cpu} | "
               f"{cell.errors} |")
+    shares = {f"{c.workload} {c.scheme} c={c.concurrency}": (c.cpu_all - c.cpu_main) / c.seconds
+              for c in cells if c.config == "stepmill" and c.seconds}
+    if shares:
+        print("\nstepmill's other processes (the writer), share of one core during the cells: "
+              + ", ".join(f"{name} {share:.0%}" for name, share in shares.items()))
     print("\nreproduce: .venv/bin/python -m bench.proxy_bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
 
 
