@@ -196,10 +196,27 @@ def _finished(assembler, notes: list[str], first_output_at) -> Assembled:
     return Assembled(completion, first_output_at, bool(getattr(assembler, "terminal", False)))
 
 
+_scan = json.JSONDecoder().scan_once  # the C scanner itself: json.loads adds three Python calls per event
+_UNPARSED = object()
+
+
+def _parsed(data: str):
+    """The JSON value of an event's data, or _UNPARSED (then the assembler parses it, and says why not)."""
+    try:
+        value, end = _scan(data, 0)
+    except (StopIteration, ValueError):
+        return _UNPARSED
+    return value if end == len(data) or not data[end:].strip() else _UNPARSED
+
+
 def _feed(assembler, event: Event, notes: list[str]) -> None:
     if not event.data:
         return
     try:
-        assembler.feed(event.event, event.data)
+        value = _parsed(event.data)
+        if value is _UNPARSED:
+            assembler.feed(event.event, event.data)
+        else:
+            assembler.feed_parsed(event.event, value)
     except Exception as exc:
         notes.append(f"unparsed stream event {event.data[:200]!r}: {exc}")

@@ -201,3 +201,79 @@ def test_the_whole_body_split_agrees_with_the_incremental_decoder(parts):
     assert whole == incremental
     ends = [end for end, _, _ in events_of(body)]
     assert ends == sorted(ends) and all(0 < end <= len(body) for end in ends)
+
+
+# The writer parses each event with the JSON scanner and hands the value to ``feed_parsed``; an
+# assembler fed the raw text event by event must end with the same completion.
+_TEXT = st.text(max_size=6)
+_CHAT_DELTA = st.fixed_dictionaries({}, optional={
+    "role": st.just("assistant"), "content": _TEXT, "reasoning_content": _TEXT,
+    "tool_calls": st.lists(st.fixed_dictionaries({"index": st.integers(0, 2)}, optional={
+        "id": _TEXT, "function": st.fixed_dictionaries({}, optional={"name": _TEXT, "arguments": _TEXT})}),
+        max_size=2)})
+_CHAT_CHUNK = st.fixed_dictionaries({"id": st.just("c1")}, optional={
+    "choices": st.lists(st.fixed_dictionaries({"index": st.integers(0, 1), "delta": _CHAT_DELTA}, optional={
+        "finish_reason": st.sampled_from([None, "stop", "tool_calls"]), "token_ids": st.lists(st.integers(0, 9))}),
+        max_size=2),
+    "usage": st.just({"prompt_tokens": 3, "completion_tokens": 2})})
+_ANTHROPIC_EVENT = st.one_of(
+    st.fixed_dictionaries({"type": st.just("content_block_start"), "index": st.integers(0, 2),
+                           "content_block": st.sampled_from([{"type": "text", "text": "A"}, {"type": "thinking"},
+                                                             {"type": "tool_use", "id": "t", "name": "f"}])}),
+    st.fixed_dictionaries({"type": st.just("content_block_delta"), "index": st.integers(0, 2),
+                           "delta": st.one_of(
+                               st.fixed_dictionaries({"type": st.just("text_delta"), "text": _TEXT}),
+                               st.fixed_dictionaries({"type": st.just("thinking_delta"), "thinking": _TEXT}),
+                               st.fixed_dictionaries({"type": st.just("signature_delta"), "signature": _TEXT}),
+                               st.fixed_dictionaries({"type": st.just("input_json_delta"),
+                                                      "partial_json": st.sampled_from(['{"a"', ': 1}', ''])}))}),
+    st.fixed_dictionaries({"type": st.just("content_block_stop"), "index": st.integers(0, 2)}),
+    st.just({"type": "message_stop"}),
+)
+_RESPONSES_EVENT = st.one_of(
+    st.fixed_dictionaries({"type": st.just("response.output_text.delta"), "output_index": st.integers(0, 1),
+                           "delta": _TEXT}),
+    st.just({"type": "response.completed", "response": {"id": "r", "status": "completed", "output": []}}),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.tuples(st.just(openai_chat), st.lists(_CHAT_CHUNK, max_size=8)),
+                 st.tuples(st.just(anthropic_messages), st.lists(_ANTHROPIC_EVENT, max_size=12)),
+                 st.tuples(st.just(openai_responses), st.lists(_RESPONSES_EVENT, max_size=6))),
+       st.booleans())
+def test_the_writers_parsed_events_assemble_as_the_raw_ones(case, done):
+    module, events = case
+    datas = [json.dumps(e, ensure_ascii=False) for e in events] + (["[DONE]"] if done else [])
+    by_text = module.StreamAssembler()
+    for data in datas:
+        try:
+            by_text.feed(None, data)
+        except Exception:
+            pass
+    body = b"".join(b"data: " + d.encode() + b"\n\n" for d in datas)
+    result = assemble(module.StreamAssembler(), body, [(len(body), 1.0)], None)
+    expected = by_text.finish()
+    assert (result.completion.message, result.completion.wire, result.completion.finish_reason) == \
+        (expected.message, expected.wire, expected.finish_reason)
+
+
+def test_anthropic_deltas_are_joined_in_order():
+    events = [{"type": "message_start", "message": {"id": "m", "model": "claude"}},
+              {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}},
+              *({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": f"t{i} "}}
+                for i in range(3000)),
+              {"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "sig"}},
+              {"type": "content_block_stop", "index": 0},
+              {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": "Hi"}},
+              *({"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": f" {i}"}}
+                for i in range(3000)),
+              {"type": "content_block_stop", "index": 1},
+              {"type": "message_delta", "delta": {"stop_reason": "end_turn"}},
+              {"type": "message_stop"}]
+    body = b"".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events)
+    completion = assemble(anthropic_messages.StreamAssembler(), body, [(len(body), 1.0)], None).completion
+    thinking, text = completion.wire[0]["content"]
+    assert thinking == {"type": "thinking", "thinking": "".join(f"t{i} " for i in range(3000)), "signature": "sig"}
+    assert text == {"type": "text", "text": "Hi" + "".join(f" {i}" for i in range(3000))}
+    assert completion.status == "ok" and completion.finish_reason == "end_turn"

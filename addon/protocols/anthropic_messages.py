@@ -13,6 +13,7 @@ KNOWN_EVENTS = {
     "message_start", "content_block_start", "content_block_delta", "content_block_stop",
     "message_delta", "message_stop", "ping", "error",
 }
+TEXT_FIELDS = ("text", "thinking", "signature")  # block fields built from deltas
 _SESSION = re.compile(r"session[_-]?([0-9A-Za-z-]{8,})")
 
 
@@ -122,6 +123,7 @@ class StreamAssembler:
         self.message: dict = {}
         self.blocks: dict[int, dict] = {}
         self.partial_json: dict[int, list[str]] = {}
+        self.parts: dict[tuple[int, str], list[str]] = {}  # text, thinking, signature deltas per block
         self.usage: dict = {}
         self.stop_reason = None
         self.stopped = False
@@ -134,7 +136,10 @@ class StreamAssembler:
         return self.stopped or self.error is not None
 
     def feed(self, event: str | None, data: str) -> None:
-        payload = json.loads(data)
+        self.feed_parsed(event, json.loads(data))
+
+    def feed_parsed(self, event: str | None, payload: Any) -> None:
+        """One event, already parsed (the writer parses a stream's events in one pass)."""
         if not isinstance(payload, dict):
             raise ProtocolError("stream event is not a JSON object")
         kind = payload.get("type") or event
@@ -147,6 +152,8 @@ class StreamAssembler:
         elif kind == "content_block_start":
             index = payload.get("index", len(self.blocks))
             block = dict(payload.get("content_block") or {})
+            for field in TEXT_FIELDS:
+                self.parts.pop((index, field), None)
             if block.get("type") in ("tool_use", "server_tool_use"):
                 self.partial_json[index] = []
             self.blocks[index] = block
@@ -157,13 +164,13 @@ class StreamAssembler:
             delta = payload.get("delta") or {}
             dtype = delta.get("type")
             if dtype == "text_delta":
-                block["text"] = (block.get("text") or "") + (delta.get("text") or "")
+                self._append(index, block, "text", delta.get("text"))
             elif dtype == "input_json_delta":
                 self.partial_json.setdefault(index, []).append(delta.get("partial_json") or "")
             elif dtype == "thinking_delta":
-                block["thinking"] = (block.get("thinking") or "") + (delta.get("thinking") or "")
+                self._append(index, block, "thinking", delta.get("thinking"))
             elif dtype == "signature_delta":
-                block["signature"] = (block.get("signature") or "") + (delta.get("signature") or "")
+                self._append(index, block, "signature", delta.get("signature"))
             elif dtype == "citations_delta":
                 block.setdefault("citations", []).append(delta.get("citation"))
             else:
@@ -180,6 +187,13 @@ class StreamAssembler:
         elif kind == "error":
             self.error = json.dumps(payload.get("error"))
 
+    def _append(self, index: int, block: dict, field: str, text: str | None) -> None:
+        """Deltas are joined once, at the end: adding each to the block's string is quadratic."""
+        parts = self.parts.get((index, field))
+        if parts is None:
+            parts = self.parts[(index, field)] = [block.get(field) or ""]
+        parts.append(text or "")
+
     def _close_json(self, index: int) -> None:
         parts = self.partial_json.pop(index, None)
         if parts is None:
@@ -192,6 +206,10 @@ class StreamAssembler:
             self.notes.append(f"tool_use block {index} has unparseable input JSON: {text[:200]!r}")
 
     def finish(self) -> Completion:
+        for (index, field), parts in self.parts.items():
+            if index in self.blocks:
+                self.blocks[index][field] = "".join(parts)
+        self.parts.clear()
         for index in list(self.partial_json):
             self._close_json(index)
         blocks = [self.blocks[i] for i in sorted(self.blocks)]

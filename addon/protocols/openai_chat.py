@@ -121,6 +121,9 @@ def parse_response(body: dict, api: str = CHAT) -> Completion:
     return completion
 
 
+PLAIN_DELTA = frozenset({"role", "content"})
+
+
 class StreamAssembler:
     """Rebuilds a Chat Completions (or Completions) response from its SSE chunks."""
 
@@ -141,40 +144,54 @@ class StreamAssembler:
         return self.done or self.error is not None
 
     def _choice(self, index: int) -> dict:
-        return self.choices.setdefault(index, {
-            "text": [], "reasoning": [], "calls": {}, "finish_reason": None, "ids": [], "logprobs": [],
-            "has_ids": False, "has_logprobs": False, "role": "assistant",
-        })
+        state = self.choices.get(index)
+        if state is None:
+            state = self.choices[index] = {
+                "text": [], "reasoning": [], "calls": {}, "finish_reason": None, "ids": [], "logprobs": [],
+                "has_ids": False, "has_logprobs": False, "role": "assistant",
+            }
+        return state
 
     def feed(self, event: str | None, data: str) -> None:
         if data.strip() == "[DONE]":
             self.done = True
             return
-        chunk = json.loads(data)
+        self.feed_parsed(event, json.loads(data))
+
+    def feed_parsed(self, event: str | None, chunk: Any) -> None:
+        """One chunk, already parsed (the writer parses a stream's events in one pass)."""
         if not isinstance(chunk, dict):
             raise ProtocolError("stream chunk is not a JSON object")
-        if "error" in chunk and not chunk.get("choices"):
+        get = chunk.get
+        if "error" in chunk and not get("choices"):
             self.error = json.dumps(chunk["error"])
             return
-        self.response_id = self.response_id or chunk.get("id")
-        self.model = self.model or chunk.get("model")
-        if chunk.get("usage"):
+        if self.response_id is None:
+            self.response_id = get("id")
+        if self.model is None:
+            self.model = get("model")
+        if get("usage"):
             self.usage = _usage(chunk["usage"])
-        if chunk.get("prompt_token_ids") is not None:
+        if get("prompt_token_ids") is not None:
             self.prompt_ids = chunk["prompt_token_ids"]
-        for choice in chunk.get("choices") or []:
-            state = self._choice(choice.get("index", 0))
-            if choice.get("prompt_token_ids") is not None:
-                self.prompt_ids = choice["prompt_token_ids"]
-            if self.api == COMPLETIONS:
-                if choice.get("text"):
-                    state["text"].append(choice["text"])
-                    self.output_started = True
-            else:
-                delta = choice.get("delta") or {}
-                if delta.get("content"):
-                    state["text"].append(delta["content"])
-                    self.output_started = True
+        for choice in get("choices") or ():
+            self._feed_choice(choice)
+
+    def _feed_choice(self, choice: dict) -> None:
+        get = choice.get
+        state = self._choice(get("index", 0))
+        if get("prompt_token_ids") is not None:
+            self.prompt_ids = choice["prompt_token_ids"]
+        if self.api == COMPLETIONS:
+            if get("text"):
+                state["text"].append(choice["text"])
+                self.output_started = True
+        else:
+            delta = get("delta") or {}
+            if delta.get("content"):
+                state["text"].append(delta["content"])
+                self.output_started = True
+            if not delta.keys() <= PLAIN_DELTA:  # reasoning, tool calls: not in most chunks
                 reasoning = delta.get("reasoning_content") or delta.get("reasoning")
                 if reasoning:
                     state["reasoning"].append(reasoning)
@@ -186,17 +203,18 @@ class StreamAssembler:
                     slot["name"] += fn.get("name") or ""
                     slot["arguments"].append(fn.get("arguments") or "")
                     self.output_started = True
-            if choice.get("token_ids") is not None:
-                state["ids"].extend(choice["token_ids"])
-                state["has_ids"] = True
-            values, ids = _logprob_values(choice.get("logprobs"))
+        if get("token_ids") is not None:
+            state["ids"].extend(choice["token_ids"])
+            state["has_ids"] = True
+        if get("logprobs") is not None:
+            values, ids = _logprob_values(choice["logprobs"])
             if values is not None:
                 state["logprobs"].extend(values)
                 state["has_logprobs"] = True
                 if ids is not None and not state["has_ids"]:
                     state.setdefault("ids_from_logprobs", []).extend(ids)
-            if choice.get("finish_reason"):
-                state["finish_reason"] = choice["finish_reason"]
+        if get("finish_reason"):
+            state["finish_reason"] = choice["finish_reason"]
 
     def finish(self) -> Completion:
         completions = [self._completion(self.choices[i]) for i in sorted(self.choices)] or [self._completion(self._choice(0))]

@@ -161,7 +161,10 @@ class StreamAssembler:
         return self.final is not None or self.error is not None
 
     def feed(self, event: str | None, data: str) -> None:
-        payload = json.loads(data)
+        self.feed_parsed(event, json.loads(data))
+
+    def feed_parsed(self, event: str | None, payload) -> None:
+        """One event, already parsed (the writer parses a stream's events in one pass)."""
         if not isinstance(payload, dict):
             raise ProtocolError("stream event is not a JSON object")
         self.feed_event(payload)
