@@ -23,6 +23,10 @@ settings when run-to-run noise is larger than their difference.
 priority (``bench/idle_burner.py``) busy-loops that share of a core, as stepmill's writer does
 beside stepmill. On a machine whose cores slow each other, it shows what such background work
 costs any proxy, stepmill's design aside.
+
+``--again`` adds ``mitmdump-again``: the same bare mitmdump measured as a configuration of its
+own (an A/A control). How far it lands from ``mitmdump`` is the run's noise: a difference between
+stepmill and mitmdump smaller than that is not one this machine can show.
 """
 
 from __future__ import annotations
@@ -240,6 +244,8 @@ def main() -> None:
                         help="another `stepmill proxy` configuration, with these more arguments (repeatable)")
     parser.add_argument("--idle-burner", type=float, default=0.0, metavar="FRACTION",
                         help="also run bare mitmdump beside an idle-priority CPU load of this share of a core")
+    parser.add_argument("--again", action="store_true",
+                        help="also measure bare mitmdump a second time, as its own configuration (A/A control)")
     parser.add_argument("--slow-streams", type=int, default=1000, help="streams open at once (0: skip)")
     parser.add_argument("--big-body", type=int, default=50, help="MiB of one request body (0: skip)")
     args = parser.parse_args()
@@ -281,11 +287,13 @@ def main() -> None:
         time.sleep(1.0)
         context = ssl.create_default_context(cafile=str(ca))
         context.load_verify_locations(str(confdir / "mitmproxy-ca-cert.pem"))
-        configs = ["direct", *commands] + (["mitmdump+idle"] if args.idle_burner else [])
+        configs = ["direct", *commands] + (["mitmdump+idle"] if args.idle_burner else []) \
+            + (["mitmdump-again"] if args.again else [])
         cells = [Cell(config, workload, scheme, int(c))
                  for c in args.concurrency.split(",") for workload in args.workloads.split(",")
                  for scheme in args.schemes.split(",") for config in configs]
-        ports["mitmdump+idle"], pids["mitmdump+idle"] = ports["mitmdump"], pids["mitmdump"]
+        for alias in ("mitmdump+idle", "mitmdump-again"):
+            ports[alias], pids[alias] = ports["mitmdump"], pids["mitmdump"]
 
         async def all_rounds():
             for _ in range(args.rounds):
