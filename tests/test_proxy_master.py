@@ -4,7 +4,9 @@ writer runs at the priority asked for."""
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -108,3 +110,23 @@ def test_an_unknown_writer_priority_is_refused(tmp_path):
         stop(process)
     assert process.returncode != 0
     assert "stepmill_writer_priority must be one of idle, low, normal, not 'fast'" in log.read_text()
+
+
+def test_idle_writer_leaves_idle_priority_for_its_transactions_where_permitted():
+    """The write lock is never held at idle priority by a process that may leave it."""
+    code = """
+import os, resource
+from stepmill.addon.writer import Priority
+p = Priority("idle")
+p.apply()
+assert os.sched_getscheduler(0) == os.SCHED_IDLE and os.getpriority(os.PRIO_PROCESS, 0) == 10
+with p.raised():
+    inside = os.sched_getscheduler(0)
+after = os.sched_getscheduler(0)
+print(inside == os.SCHED_OTHER, after == os.SCHED_IDLE, p.idle)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    permitted = os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= 10
+    # Permitted: out of SCHED_IDLE inside, back after. Not: idle throughout, and it stops trying.
+    assert out == (["True", "True", "True"] if permitted else ["False", "True", "False"])

@@ -166,9 +166,9 @@ class StreamAssembler:
         if "error" in chunk and not get("choices"):
             self.error = json.dumps(chunk["error"])
             return
-        if self.response_id is None:
+        if not self.response_id:
             self.response_id = get("id")
-        if self.model is None:
+        if not self.model:
             self.model = get("model")
         if get("usage"):
             self.usage = _usage(chunk["usage"])
