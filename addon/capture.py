@@ -177,6 +177,8 @@ class StepmillAddon:
     def _status(self) -> dict:
         """The capture pipeline's state, for health and stats (in the control thread)."""
         out = {"writer": ctx.options.stepmill_writer}
+        if ctx.options.stepmill_writer != "thread":
+            out["writer_priority"] = ctx.options.stepmill_writer_priority
         if self.handoff is not None:
             out.update(self.handoff.status())
         if self.journal is not None and self.control is not None:
