@@ -14,6 +14,7 @@ The stepmill addon is part of the chain (after the user's scripts), not a script
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 
@@ -33,33 +34,29 @@ class LeanAddonManager(addonmanager.AddonManager):
 
     # Every way the chain changes (scripts load and reload through register/remove) clears the table,
     # after the change too: registering triggers events (configure) while the chain is half-built.
-    def register(self, addon):
+    @contextlib.contextmanager
+    def _changing(self):
         self._table.clear()
         try:
-            return super().register(addon)
+            yield
         finally:
             self._table.clear()
+
+    def register(self, addon):
+        with self._changing():
+            return super().register(addon)
 
     def remove(self, addon):
-        self._table.clear()
-        try:
+        with self._changing():
             super().remove(addon)
-        finally:
-            self._table.clear()
 
     def add(self, *items):
-        self._table.clear()
-        try:
+        with self._changing():
             super().add(*items)
-        finally:
-            self._table.clear()
 
     def clear(self):
-        self._table.clear()
-        try:
+        with self._changing():
             super().clear()
-        finally:
-            self._table.clear()
 
     def _handlers(self, event: hooks.Hook) -> list:
         handlers = self._table.get(event.name)
@@ -114,10 +111,10 @@ class LeanLogEvents(mitmproxy_log.LegacyLogEvents):
 class StepmillMaster(master.Master):
     def __init__(self, opts, event_loop=None, with_termlog: bool = True):
         super().__init__(opts, event_loop=event_loop, with_termlog=False)
-        self._legacy_log_events.uninstall()
+        self.addons = LeanAddonManager(self)
+        self._legacy_log_events.uninstall()  # after the new manager: the lean events ask it who listens
         self._legacy_log_events = LeanLogEvents(self)
         self._legacy_log_events.install()
-        self.addons = LeanAddonManager(self)
         if with_termlog:
             from mitmproxy.addons import termlog
 
