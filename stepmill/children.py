@@ -11,10 +11,19 @@ import sys
 PR_SET_PDEATHSIG = 1
 
 
+_given: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, and never one this process was given before: two calls in a
+    row may otherwise get the same port (a proxy's listen and control ports, before either listens)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _given:
+            _given.add(port)
+            return port
 
 
 def die_with_parent() -> None:
