@@ -16,6 +16,7 @@ in a thread of their own.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import json
 import logging
@@ -29,11 +30,12 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 
 from stepmill.store.db import Store
-from stepmill.store.journal import Journal
+from stepmill.store.journal import Journal, Position
 from stepmill.token import ensure_token
 
 from . import engine, recording, secrets, tagging
 from .control_api import ControlAPI, Endpoints
+from .runs import Refused, Run, RunTable
 from .ingest import call_header, is_create_frame, is_terminal_frame
 from .protocols import match, openai_responses
 from .recording import Call
@@ -42,7 +44,9 @@ from .writer import PRIORITIES, Handoff, ProcessWriter, ThreadWriter
 
 log = logging.getLogger("stepmill")
 ENGINE_AUTH_HEADERS = ("authorization", "x-api-key", "api-key")
-POLICY_REFRESH = 0.5  # seconds between checks for a policy version set by another process
+POLICY_REFRESH = 0.5  # seconds between checks for a policy version (or runs) set by another process
+BARRIER_TIMEOUT = 60.0  # seconds a barrier waits for in-flight calls and the writer at most
+BARRIER_POLL = 0.02
 
 
 def hook_failed(name: str) -> None:
@@ -85,6 +89,11 @@ class StepmillAddon:
         self.connection_tags: dict[str, tagging.Tags] = {}
         self.turns: dict[str, Turn] = {}
         self.probe = engine.EngineProbe()
+        self.runs = RunTable()
+        # Calls in flight (request seen, not yet handed off) per trajectory, and all calls handed off:
+        # what a barrier waits for. Changed on the loop only.
+        self.inflight: collections.Counter = collections.Counter()
+        self.submitted = 0
         self.policy_version: str | None = None
         self._policy_stop = threading.Event()
 
@@ -113,6 +122,10 @@ class StepmillAddon:
                           "CPU priority of the writer process: 'idle' (it runs only when a core is free, never "
                           "delaying the proxy, agents or engines; commits lag while every core is busy), 'low' "
                           "(nice 10) or 'normal'.")
+        loader.add_option("stepmill_max_body", int, 64 * 1024 * 1024,
+                          "Bytes stepmill keeps of one call's request and of its response (decoded too); past it "
+                          "the bytes still pass through unchanged, and the step is recorded as truncated. "
+                          "Bounds the proxy's memory for a stream that never ends. 0: no limit.")
 
     def configure(self, updated):
         if ctx.options.stepmill_writer_priority not in PRIORITIES:
@@ -123,6 +136,8 @@ class StepmillAddon:
             self.db_path = ctx.options.stepmill_db
             store = Store(self.db_path)  # creates or migrates the file before anyone writes
             self.policy_version = store.policy_version()
+            self.runs = RunTable()
+            self._read_runs(store)
             self.journal = Journal.create(self.db_path)
             if ctx.options.stepmill_writer == "thread":
                 self.writer = ThreadWriter(self.db_path, self.journal)
@@ -130,7 +145,8 @@ class StepmillAddon:
                 self.writer = ProcessWriter(self.db_path, self.journal, ctx.options.stepmill_writer_priority)
             self.handoff = Handoff(self.journal, self.writer.notify)
             self.control = ControlAPI(store, self._endpoints, token=ensure_token(ctx.options.confdir),
-                                      status=self._status, on_policy_version=self._set_policy_version)
+                                      status=self._status, on_policy_version=self._set_policy_version,
+                                      on_run=self.runs.add)
             self._policy_stop = threading.Event()
             threading.Thread(target=self._watch_policy_version, args=(self.db_path, self._policy_stop),
                              name="stepmill-policy", daemon=True).start()
@@ -170,9 +186,16 @@ class StepmillAddon:
                 if version != seen:
                     seen = version
                     self.policy_version = store.policy_version()
+                    self._read_runs(store)
             except Exception:
                 pass  # a busy file: the cached version stands until the next look
         store.close()
+
+    def _read_runs(self, store: Store) -> None:
+        """Runs registered (by any proxy on this file) since the last look: off the loop, appended only."""
+        for row in store.registered_runs(self.runs.seen_rowid):
+            self.runs.add(Run(row["trajectory_id"], row["group_id"], row["channel"], row["secret_hash"]))
+            self.runs.seen_rowid = row["rowid"]
 
     def _status(self) -> dict:
         """The capture pipeline's state, for health and stats (in the control thread)."""
@@ -255,7 +278,8 @@ class StepmillAddon:
                 if capture.added and ctx.options.stepmill_engine_strip:
                     rewrite = lambda payload: engine.strip(payload, capture.added)  # noqa: E731
                 capture.tap = StreamTap(rewrite=rewrite, markers=engine.MARKERS,
-                                        content_encoding=flow.response.headers.get("content-encoding"))
+                                        content_encoding=flow.response.headers.get("content-encoding"),
+                                        limit=ctx.options.stepmill_max_body)
                 if capture.tap.rewriting and "content-encoding" in flow.response.headers:
                     del flow.response.headers["content-encoding"]  # rewritten events go out decoded
                 flow.response.stream = capture.tap
@@ -310,12 +334,22 @@ class StepmillAddon:
         if request.method != "POST" and not (websocket and module is openai_responses):
             return None
         # An LLM call: from here on the request may be changed (tags taken out, engine fields added).
-        tags = tagging.Tags()
+        credential = None
         if tagged:
-            tags, request.path = tagged
-        tags = tags.merge(tagging.pop_header_tags(request.headers, index))
-        tags = tags.merge(self.connection_tags.get(flow.client_conn.id))
-        tags = tags.merge(self._credential_tags(index.get("proxy-authorization")))
+            credential, request.path = tagged
+        headers = tagging.pop_header_tags(request.headers, index)
+        credential = credential or self.connection_tags.get(flow.client_conn.id)
+        if credential is None and not ctx.options.proxyauth and "proxy-authorization" in index:
+            credential = self._credential_tags(index["proxy-authorization"])
+            request.headers.pop("proxy-authorization", None)  # hop-by-hop: its secret never goes upstream
+        try:
+            tags = self.runs.resolve(credential, headers)
+        except Refused as exc:
+            log.warning(f"stepmill: refused {request.method} {host}{api_path}: {exc}")
+            flow.response = http.Response.make(403, recording.json_bytes({"error": {
+                "message": f"stepmill refused this call: {exc}", "type": "stepmill_refused"}}),
+                {"Content-Type": "application/json"})
+            return None
         capture = Capture(
             call=Call(api=api, host=host, path=request.path.split("?", 1)[0], tags=tags,
                       session_id=tagging.session_id(index), headers=secrets.allowed_headers(index),
@@ -324,6 +358,8 @@ class StepmillAddon:
             request_encoding=index.get("content-encoding"), websocket=websocket,
         )
         flow.metadata["stepmill"] = capture
+        if not websocket:
+            self.inflight[tags.trajectory_id] += 1
         return capture
 
     @staticmethod
@@ -369,10 +405,10 @@ class StepmillAddon:
         header = self._header(capture, "sse" if capture.tap is not None else "http")
         header.update(error=error, ended=(response.timestamp_end if response and response.timestamp_end else None)
                       or time.time(), http_status=response.status_code if response is not None else None,
-                      websocket_upgrade=capture.websocket)
+                      websocket_upgrade=capture.websocket, max_body=ctx.options.stepmill_max_body)
         if capture.tap is not None:
             header.update(marks=capture.tap.marks, response_encoding=capture.tap.content_encoding,
-                          notes=capture.notes + capture.tap.notes)
+                          notes=capture.notes + capture.tap.notes, received=capture.tap.received)
             self._submit(capture, header, [capture.raw_request, capture.tap.raw])
             return
         body = (response.raw_content or b"") if response is not None else b""
@@ -400,8 +436,15 @@ class StepmillAddon:
 
     def _submit(self, capture: Capture, header: dict, blobs: list) -> None:
         capture.done = True
+        self._handed_off(capture.call.tags.trajectory_id, header, blobs)
+
+    def _handed_off(self, trajectory_id: str | None, header: dict, blobs: list) -> None:
         if self.handoff is not None:
             self.handoff.submit(header, blobs)
+            self.submitted += 1
+        self.inflight[trajectory_id] -= 1
+        if self.inflight[trajectory_id] <= 0:
+            del self.inflight[trajectory_id]
 
     def _submit_failure(self, capture: Capture, message: str, flow: http.HTTPFlow):
         """Last resort for a hook that failed: keep the raw exchange with an error, so nothing is lost."""
@@ -409,7 +452,11 @@ class StepmillAddon:
             return
         raw_response = capture.tap.raw if capture.tap is not None else \
             ((flow.response.raw_content or b"") if flow.response is not None else b"")
-        header = {"kind": "failure", **call_header(capture.call), "started": capture.started, "error": message}
+        header = {"kind": "failure", **call_header(capture.call), "started": capture.started, "error": message,
+                  "max_body": ctx.options.stepmill_max_body, "request_encoding": capture.request_encoding,
+                  "response_encoding": capture.tap.content_encoding if capture.tap is not None else
+                  flow.response.headers.get("content-encoding") if flow.response is not None else None,
+                  "received": capture.tap.received if capture.tap is not None else None}
         self._submit(capture, header, [capture.raw_request, raw_response])
 
     # -- WebSocket (Responses) ----------------------------------------------------------------
@@ -427,6 +474,7 @@ class StepmillAddon:
                 if pending is not None:
                     self._finish_turn(capture, pending, cut="a new response.create arrived before this turn ended")
                 self.turns[flow.id] = Turn(request=content, started=message.timestamp)
+                self.inflight[capture.call.tags.trajectory_id] += 1
                 return
             turn = self.turns.get(flow.id)
             if turn is None:
@@ -455,19 +503,59 @@ class StepmillAddon:
         header = self._header(capture, "websocket")
         header.update(started=turn.started, ended=time.time(), cut=cut,
                       frames=[[at, i + 1] for i, (at, _) in enumerate(turn.frames)])
-        if self.handoff is not None:
-            self.handoff.submit(header, [turn.request] + [content for _, content in turn.frames])
+        self._handed_off(capture.call.tags.trajectory_id, header, [turn.request] + [content for _, content in turn.frames])
 
     # -- control API ----------------------------------------------------------------------------
     async def _answer_control(self, flow: http.HTTPFlow):
-        """Answered in the control thread: its reads and writes never hold up the loop."""
+        """Answered in the control thread: its reads and writes never hold up the loop. Completing a
+        trajectory (and ``POST /v1/barrier``) first waits, here on the loop without blocking it, until
+        every call of the trajectory (of all, for the barrier) has ended and the writer committed it."""
         request = flow.request
         try:
+            waits = self.control.barrier_target(request.method, request.path, request.headers.get("authorization"))
+            if waits is not False:
+                flow.metadata["stepmill_barrier"] = await self._barrier(waits)
             status, payload = await asyncio.get_running_loop().run_in_executor(
                 self.control_thread, lambda: self.control.handle(request.method, request.path,
                                                                  request.get_content(strict=False) or b"",
-                                                                 authorization=request.headers.get("authorization")))
+                                                                 authorization=request.headers.get("authorization"),
+                                                                 barrier=flow.metadata.get("stepmill_barrier")))
         except Exception as exc:
             hook_failed("request")
             status, payload = 500, {"error": f"the control API failed: {exc}"}
         flow.response = http.Response.make(status, recording.json_bytes(payload), {"Content-Type": "application/json"})
+
+    async def _barrier(self, trajectory_id: str | None) -> dict:
+        """Waits until no call of ``trajectory_id`` (any call, for None) is in flight, every call handed
+        off is in the journal, and the writer committed the journal up to where it then ended."""
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        deadline = started + BARRIER_TIMEOUT
+
+        def inflight() -> int:
+            return sum(self.inflight.values()) if trajectory_id is None else self.inflight.get(trajectory_id, 0)
+
+        while inflight() > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(BARRIER_POLL)
+        target = self.submitted
+        handoff, journal, control = self.handoff, self.journal, self.control
+        while handoff is not None and handoff.appended + handoff.dropped < target and time.monotonic() < deadline:
+            await asyncio.sleep(BARRIER_POLL)
+        end = journal_end(journal) if journal is not None else None
+        committed = False
+        while end is not None and time.monotonic() < deadline:
+            position = await loop.run_in_executor(self.control_thread, lambda: journal.committed(control.store))
+            if position >= end:
+                committed = True
+                break
+            await asyncio.sleep(BARRIER_POLL * 5)
+        return {"committed": committed, "waited_ms": round((time.monotonic() - started) * 1000, 1),
+                **({} if committed else {"in_flight": inflight()})}
+
+
+def journal_end(journal: Journal) -> Position:
+    """Where the journal's appends end now (the last segment's size)."""
+    segments = journal.segments()
+    if not segments:
+        return Position(1, 0)
+    return Position(int(segments[-1].stem), segments[-1].stat().st_size)

@@ -4,7 +4,8 @@ JSON in, JSON out. Every bad request gets a 4xx with a message; nothing is half-
 because each call is one store transaction.
 
 Agents reach the proxy, so reaching it proves nothing: every endpoint but ``/v1/health`` asks
-for the write token (``Authorization: Bearer <token>``), which agents are never given.
+for the write token (``Authorization: Bearer <token>``), which agents are never given; anonymous
+health says only that the proxy is alive.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from urllib.parse import unquote
 from stepmill import __version__
 from stepmill.store.db import Store, StoreError, now_iso
 from stepmill.store.records import StepRecord
+
+from . import tagging
+from .runs import Run, new_secret, secret_hash
 
 PUBLIC = {("GET", "/v1/health")}  # what anonymous callers may do
 MAX_INT = 2**63 - 1
@@ -137,14 +141,19 @@ STEP_FIELDS = {
 TEXT = (lambda v: isinstance(v, str) and len(v) <= 10000 and _is_text(v), "a string")
 SOURCE = (lambda v: v in ("rule", "model", "human", "env", "api"), "one of rule, model, human, env, api")
 THUMBS = {"up": 1.0, "down": -1.0}  # feedback thumbs as rewards (README: Curation)
-TRAJECTORY_FIELDS = {"trajectory_id": STRING, "group_id": STRING, "channel": STRING, "metadata": OBJECT}
+# ``scoring``: a task's fields for reward functions only (answers, tests), kept apart from the metadata
+# every reader sees; written here, never answered.
+TRAJECTORY_FIELDS = {"trajectory_id": STRING, "group_id": STRING, "channel": STRING, "metadata": OBJECT,
+                     "scoring": OBJECT}
 
 
 class ControlAPI:
     def __init__(self, store: Store, endpoints: Callable[[], Endpoints] = Endpoints, *, token: str,
-                 status: Callable[[], dict] = dict, on_policy_version: Callable[[str | None], None] = lambda v: None):
+                 status: Callable[[], dict] = dict, on_policy_version: Callable[[str | None], None] = lambda v: None,
+                 on_run: Callable[[Run], None] = lambda run: None):
         """``status``: the capture pipeline's backlog, for health and stats; ``on_policy_version``: told
-        of every new version, so the proxy stamps it without reading the file per step."""
+        of every new version, so the proxy stamps it without reading the file per step; ``on_run``:
+        told of every registered run, so the proxy checks its credentials from the next call."""
         if not token:
             raise ValueError("the control API needs a write token")
         self.store = store
@@ -152,6 +161,8 @@ class ControlAPI:
         self.token = token
         self.status = status
         self.on_policy_version = on_policy_version
+        self.on_run = on_run
+        self._barrier: dict | None = None  # set per call by handle(); calls are answered one at a time
         self.routes = [
             ("GET", r"/v1/health", self.health),
             ("GET", r"/v1/stats", self.stats),
@@ -162,6 +173,8 @@ class ControlAPI:
             ("GET", r"/v1/trajectories/(?P<tid>[^/]+)", self.get_trajectory),
             ("PATCH", r"/v1/trajectories/(?P<tid>[^/]+)", self.update_trajectory),
             ("POST", r"/v1/trajectories/(?P<tid>[^/]+)/complete", self.complete_trajectory),
+            ("POST", r"/v1/trajectories/(?P<tid>[^/]+)/credentials", self.register_run),
+            ("POST", r"/v1/barrier", self.barrier),
             ("POST", r"/v1/steps", self.submit_step),
             ("GET", r"/v1/steps/(?P<sid>[^/]+)", self.get_step),
             ("POST", r"/v1/rewards", self.add_reward),
@@ -174,7 +187,26 @@ class ControlAPI:
         scheme, _, value = (authorization or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token.encode())
 
-    def handle(self, method: str, path: str, body: bytes, *, authorization: str | None = None) -> tuple[int, dict]:
+    def barrier_target(self, method: str, path: str, authorization: str | None):
+        """What an authorized call must wait for before it is handled: the trajectory a ``complete``
+        names, None (every call) for ``POST /v1/barrier``, or False (nothing)."""
+        path = path.split("?", 1)[0].rstrip("/")
+        if method != "POST" or not self.authorized(authorization):
+            return False
+        if path == "/v1/barrier":
+            return None
+        found = re.fullmatch(r"/v1/trajectories/([^/]+)/complete", path)
+        if found:
+            try:
+                return unquote(found.group(1), errors="strict")
+            except UnicodeDecodeError:
+                return False
+        return False
+
+    def handle(self, method: str, path: str, body: bytes, *, authorization: str | None = None,
+               barrier: dict | None = None) -> tuple[int, dict]:
+        """``barrier``: what the proxy's wait before this call found (complete and barrier calls)."""
+        self._barrier = barrier
         try:
             return self._handle(method, path, body, authorization)
         except Exception as exc:  # a bug answers JSON, never the proxy's 502 page
@@ -195,6 +227,8 @@ class ControlAPI:
                 continue
             try:
                 params = {k: unquote(v, errors="strict") for k, v in found.groupdict().items()}
+                if handler == self.health:
+                    params["authorized"] = self.authorized(authorization)
                 return handler(body=body, **params)
             except UnicodeDecodeError:
                 return 400, {"error": "ids in the path must be percent-encoded UTF-8"}
@@ -209,7 +243,9 @@ class ControlAPI:
         return 404, {"error": f"no control endpoint {path}", "endpoints": sorted({p for _, p, _ in self.routes})}
 
     # -- endpoints ----------------------------------------------------------------------
-    def health(self, body):
+    def health(self, body, authorized: bool = False):
+        if not authorized:
+            return 200, {"ok": True}  # anonymous callers (agents among them) learn nothing else
         return 200, {"ok": True, "version": __version__, "db": self.store.path,
                      "schema_version": self.store.schema_version, "time": now_iso(), "capture": self.status()}
 
@@ -226,21 +262,23 @@ class ControlAPI:
         self.on_policy_version(version)
         return 200, {"policy_version": version}
 
-    def _with_urls(self, trajectory: dict) -> dict:
+    def _with_urls(self, trajectory: dict, secret: str | None = None) -> dict:
         ends = self.endpoints()
         tid, gid = trajectory["id"], trajectory.get("group_id")
-        tags = f"{tid}:{gid}" if gid else tid
         out = {**trajectory, "trajectory_id": tid}
         if ends.proxy:
             scheme, _, hostport = ends.proxy.partition("://")
-            out["proxy_url"] = f"{scheme}://{tags}@{hostport}"
+            out["proxy_url"] = f"{scheme}://{tagging.credentials(tid, gid, secret)}@{hostport}"
         if ends.reverse:
-            out["base_url"] = f"{ends.reverse}/t/{tid}" + (f"/g/{gid}" if gid else "")
+            out["base_url"] = ends.reverse + tagging.tag_path(tid, gid, secret)
         return out
 
     def start_trajectory(self, body):
         data = _check(_object(body), TRAJECTORY_FIELDS)
+        scoring = data.pop("scoring", None)
         trajectory = self.store.start_trajectory(**data)
+        if scoring is not None:
+            self.store.set_scoring_fields(trajectory["id"], scoring)
         return 201, self._with_urls(trajectory)
 
     def get_trajectory(self, body, tid):
@@ -253,13 +291,35 @@ class ControlAPI:
         data = _check(_object(body), {k: v for k, v in TRAJECTORY_FIELDS.items() if k != "trajectory_id"})
         if self.store.trajectory(tid) is None:
             raise ApiError(404, f"no trajectory {tid!r}")
+        if data.get("scoring") is not None:
+            self.store.set_scoring_fields(tid, data.pop("scoring"))
+        data.pop("scoring", None)
         return 200, self._with_urls(self.store.update_trajectory(tid, **data))
 
     def complete_trajectory(self, body, tid):
         data = _check(_object(body), {"reward": NUMBER})
         if self.store.trajectory(tid) is None:
             raise ApiError(404, f"no trajectory {tid!r}")
-        return 200, self._with_urls(self.store.complete_trajectory(tid, reward=data.get("reward")))
+        completed = self._with_urls(self.store.complete_trajectory(tid, reward=data.get("reward")))
+        return 200, {**completed, **({"barrier": self._barrier} if self._barrier is not None else {})}
+
+    def register_run(self, body, tid):
+        """A fresh secret for the trajectory's run: from now on only credentials with it write to the
+        trajectory (a rerun's registration replaces the old secret). The secret is answered once."""
+        _check(_object(body), {})
+        secret = new_secret()
+        try:
+            row = self.store.register_run(tid, secret_hash(secret))
+        except KeyError:
+            raise ApiError(404, f"no trajectory {tid!r}") from None
+        self.on_run(Run(tid, row["group_id"], row["channel"], row["secret_hash"]))
+        trajectory = self.store.trajectory(tid)
+        return 201, {**self._with_urls(trajectory, secret), "secret": secret}
+
+    def barrier(self, body):
+        """Answered once every call the proxy had received when it arrived is committed."""
+        _check(_object(body), {})
+        return 200, self._barrier or {"committed": False}
 
     def submit_step(self, body):
         data = _check(_object(body), STEP_FIELDS, required=("prompt_ids", "response_ids"))

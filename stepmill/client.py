@@ -91,6 +91,16 @@ class StepmillClient:
         return self.request("POST", f"/v1/trajectories/{_q(trajectory_id)}/complete",
                             {} if reward is None else {"reward": reward})
 
+    def register_run(self, trajectory_id: str) -> dict:
+        """A fresh secret for the trajectory's run, and its proxy_url / base_url carrying it: from now
+        on the proxy records calls into the trajectory only with these credentials."""
+        return self.request("POST", f"/v1/trajectories/{_q(trajectory_id)}/credentials", {})
+
+    def barrier(self) -> dict:
+        """Returns once the writer committed every call the proxy had received (``committed``: false
+        if that took longer than the proxy waits)."""
+        return self.request("POST", "/v1/barrier", {})
+
     def submit_step(self, **fields) -> dict:
         """Fields: prompt_ids, response_ids (required), logprobs, reward, trajectory_id, group_id,
         parent_step_id, step_index, policy_version, is_last, metadata, messages, completion, model."""

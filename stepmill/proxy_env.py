@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import ssl
 from pathlib import Path
-from urllib.parse import quote
 
 DEFAULT_CONFDIR = "~/.mitmproxy"
 SYSTEM_BUNDLES = (
@@ -54,26 +53,29 @@ def ensure_bundle(confdir: str | None = None) -> Path:
     return bundle
 
 
-def proxy_url(host: str, port: int, trajectory: str | None = None, group: str | None = None) -> str:
-    auth = ""
-    if trajectory:
-        auth = quote(trajectory, safe="") + (":" + quote(group, safe="") if group else "") + "@"
-    return f"http://{auth}{host}:{port}"
+def trust_env(bundle: str) -> dict[str, str]:
+    """Every client's way to trust ``bundle`` (system CAs plus the mitmproxy CA)."""
+    return {
+        "SSL_CERT_FILE": bundle,  # OpenSSL, Python's ssl, httpx
+        "REQUESTS_CA_BUNDLE": bundle,  # requests
+        "CURL_CA_BUNDLE": bundle,
+        "NODE_EXTRA_CA_CERTS": bundle,  # Node (Claude Code)
+        "CODEX_CA_CERTIFICATE": bundle,  # Codex CLI
+    }
 
 
 def agent_env(host: str, port: int, confdir: str | None = None, trajectory: str | None = None,
-              group: str | None = None) -> dict[str, str]:
-    url = proxy_url(host, port, trajectory, group)
-    bundle = str(ensure_bundle(confdir))
+              group: str | None = None, secret: str | None = None, bundle: str | None = None) -> dict[str, str]:
+    """``secret``: a registered run's (its credentials then carry it instead of the group);
+    ``bundle``: the trust bundle's path as the agent sees it (default: the confdir's)."""
+    from stepmill.addon.tagging import proxy_url
+
+    url = proxy_url(host, port, trajectory, group, secret)
     return {
         "HTTPS_PROXY": url,
         "HTTP_PROXY": url,
         "https_proxy": url,
         "http_proxy": url,
-        "SSL_CERT_FILE": bundle,  # OpenSSL, Python's ssl, httpx
-        "REQUESTS_CA_BUNDLE": bundle,  # requests
-        "CURL_CA_BUNDLE": bundle,
-        "NODE_EXTRA_CA_CERTS": bundle,  # Node (Claude Code)
         "NODE_USE_ENV_PROXY": "1",  # Node's built-in fetch honours HTTPS_PROXY only with this
-        "CODEX_CA_CERTIFICATE": bundle,  # Codex CLI
+        **trust_env(bundle or str(ensure_bundle(confdir))),
     }

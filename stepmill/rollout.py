@@ -1,8 +1,8 @@
 """`stepmill rollout CONFIG`: every task of a dataset, n times, through the proxy, ready for training.
 
-Each run is its own process in its own working directory, tagged with its trajectory and group
-through its proxy credentials (the agent needs no change) and trusting the proxy's CA (Python,
-Node, Rust clients). The runner holds the concurrency limit and the per-run timeout, shows live
+Each run is its own process in its own working directory, isolated from the runner's files
+(``isolation.py``), registered with the proxy and tagged through credentials that carry the run's
+own secret (the agent needs no change), and trusting the proxy's CA (Python, Node, Rust clients). The runner holds the concurrency limit and the per-run timeout, shows live
 progress, completes each trajectory with its exit status and duration, and scores the rewards of
 the configuration. Ctrl-C stops runs cleanly (what they sent is kept; their trajectories stay
 open); running again skips the runs that finished.
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,11 +25,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stepmill.addon.tagging import encode_id, tag_path
+
+from . import isolation as iso
 from .children import die_with_parent, free_port
 from .client import ControlError, StepmillClient
-from .proxy_env import agent_env
+from .proxy_env import agent_env, ensure_bundle, trust_env
 from .rollout_config import Config, Route
 from .token import ENV as TOKEN_ENV
+
+# What a white-box run reports of a step: only what the runner cannot know itself. Reward, policy
+# version, trajectory, group, channel, model and is_last come from the runner.
+WHITE_BOX_FIELDS = ("prompt_ids", "response_ids", "logprobs", "finish_reason", "messages", "completion")
 
 
 @dataclass
@@ -39,6 +48,7 @@ class Report:
     timed_out: int = 0
     running: int = 0
     interrupted: bool = False
+    isolation: str = ""  # the mode runs used
     trajectories: list = field(default_factory=list)
     shown_at: float = 0.0  # when progress was last written to a log
 
@@ -86,15 +96,15 @@ class ProxyHandle:
                     raise RuntimeError(f"the proxy at {self.url} does not answer{where}") from None
                 time.sleep(0.2)
 
-    def env(self, trajectory: str, group: str, route: Route) -> dict:
-        """A black-box run's environment: tagged proxy credentials and the CA, or a tagged reverse base URL."""
-        if route.reverse and self.reverse_url:  # the tags ride in the URL; nothing else goes through a proxy
+    def env(self, trajectory: str, secret: str, route: Route, bundle: Path) -> dict:
+        """A black-box run's environment: credentials with the run's secret and the CA, or a reverse
+        base URL carrying them."""
+        if route.reverse and self.reverse_url:  # the credentials ride in the URL; nothing else goes through a proxy
             path = urllib.parse.urlsplit(route.base_url).path.rstrip("/")
-            base_url = (f"{self.reverse_url}/t/{urllib.parse.quote(trajectory, safe='')}"
-                        f"/g/{urllib.parse.quote(group, safe='')}{path}")
-            return {"OPENAI_BASE_URL": base_url, "OPENAI_API_BASE": base_url}
+            base_url = f"{self.reverse_url}{tag_path(trajectory, secret=secret)}{path}"
+            return {"OPENAI_BASE_URL": base_url, "OPENAI_API_BASE": base_url, **trust_env(str(bundle))}
         parts = urllib.parse.urlsplit(self.url)
-        env = agent_env(parts.hostname, parts.port, self.confdir, trajectory, group)
+        env = agent_env(parts.hostname, parts.port, self.confdir, trajectory, secret=secret, bundle=str(bundle))
         if route.base_url:  # what the openai SDK, litellm and most OpenAI-compatible clients read
             env.update(OPENAI_BASE_URL=route.base_url, OPENAI_API_BASE=route.base_url)
         return env
@@ -142,6 +152,19 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool) -> Report:
         from .qwen_vocab import default_folder
 
         white_box_tokenizer = str(default_folder())  # the bundled Qwen2 vocabulary, built once
+    mode = report.isolation = iso.resolve(config.isolation)
+    dataset_file = config.datasets[run.dataset]
+    if mode == "user":
+        iso.check_user_mode(dataset_file)
+    runs_root = Path(tempfile.mkdtemp(prefix="stepmill-rollout-"))
+    os.chmod(runs_root, 0o711)  # other users (user mode) reach their own run folder, list none
+    private = iso.Private.of(db=proxy.db, confdir=proxy.confdir, dataset=dataset_file,
+                             config=str(config.path), runs_root=runs_root)
+    bundle = ensure_bundle(proxy.confdir)
+    public_fields = set(config.public.get(run.dataset, []))
+    slots: queue.SimpleQueue = queue.SimpleQueue()  # user mode: concurrent runs never share a uid
+    for slot in range(run.concurrency):
+        slots.put(slot)
     stop = threading.Event()
     processes: dict[str, subprocess.Popen] = {}
     lock = threading.Lock()
@@ -149,49 +172,83 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool) -> Report:
     def one(agent, task, trajectory, group):
         if stop.is_set():
             return
-        metadata = {k: v for k, v in task.items() if k != "prompt"}
+        # Only the fields the dataset calls public go with the trajectory; answers and tests are for
+        # reward functions alone, kept where no agent-reachable surface serves them.
+        metadata = {k: v for k, v in task.items() if k in public_fields}
         metadata.update(dataset=run.dataset, task_id=task["id"], agent=agent.name)
+        scoring = {k: v for k, v in task.items() if k not in public_fields and k not in ("id", "prompt")}
         try:
             proxy.client.start_trajectory(trajectory_id=trajectory, group_id=group, channel=run.channel,
-                                          metadata=metadata)
+                                          metadata=metadata, scoring=scoring)
         except ControlError as exc:
             if exc.status != 409:
                 raise
             # A run cut short before runs again: what it sent stays, labelled bad, so the gate keeps it out.
-            proxy.client.update_trajectory(trajectory, metadata=metadata)
+            proxy.client.update_trajectory(trajectory, metadata=metadata, scoring=scoring)
             for row in store.query("SELECT id FROM steps WHERE trajectory_id = ?", [trajectory]):
                 proxy.client.review(row["id"], "label", "bad", reviewer="stepmill-rollout")
-        workdir = tempfile.mkdtemp(prefix=f"stepmill-run-{trajectory}-")
-        values = {"task": task["prompt"], "model": run.model, "workdir": workdir, "trajectory": trajectory,
+        # A fresh secret per run (a rerun's replaces the old): only this run's credentials write here.
+        secret = proxy.client.register_run(trajectory)["secret"]
+        slot = slots.get()
+        uid = config.isolation.first_uid + slot
+        run_dir = Path(tempfile.mkdtemp(prefix=encode_id(trajectory)[:80] + "-", dir=runs_root))
+        workdir = run_dir / "work"
+        workdir.mkdir()
+        run_bundle = run_dir / "ca-bundle.pem"  # the run's own copy: the confdir stays hidden
+        shutil.copyfile(bundle, run_bundle)
+        os.chmod(run_bundle, 0o644)
+        values = {"task": task["prompt"], "model": run.model, "workdir": str(workdir), "trajectory": trajectory,
                   "group": group, "base_url": config.route.base_url or "", "origin": origin(config.route.base_url),
                   "python": sys.executable}
         # No agent gets the write token; loopback LLMs go through the proxy too (no NO_PROXY).
         base = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy" and k != TOKEN_ENV}
         direct = {k: v for k, v in base.items() if not k.lower().endswith("_proxy")}
-        if agent.entry:  # white-box: straight to the engine; its steps come back on stdout
+        steps_read = steps_write = None
+        if agent.entry:  # white-box: straight to the engine; its steps come back on a pipe of its own
+            steps_read, steps_write = os.pipe()
             command = [sys.executable, "-m", "stepmill.agents.whitebox", agent.entry]
-            env = {**direct, **agent.env,
+            env = {**direct, **trust_env(str(run_bundle)), **agent.env,
                    "STEPMILL_ENGINE_URL": config.route.base_url, "STEPMILL_MODEL": run.model,
-                   "STEPMILL_TOKENIZER": white_box_tokenizer}
+                   "STEPMILL_TOKENIZER": white_box_tokenizer, "STEPMILL_STEPS_FD": str(steps_write)}
             stdin = json.dumps(task).encode()
         else:
             command = [fill(part, values) for part in agent.command]
-            env = {**(direct if config.route.reverse else base), **proxy.env(trajectory, group, config.route),
+            env = {**(direct if config.route.reverse else base), **proxy.env(trajectory, secret, config.route, run_bundle),
                    **{name: fill(str(value), values) for name, value in agent.env.items()}}
             stdin = task["prompt"].encode() if agent.input == "stdin" else None
             if agent.input == "file":
                 Path(workdir, agent.file).write_text(task["prompt"])
         env["STEPMILL_TRAJECTORY"] = trajectory
+        preexec = die_with_parent
+        if mode == "sandbox":
+            command = iso.sandbox_command(command, run_dir=run_dir, private=private,
+                                          needs=[Path(white_box_tokenizer)] if agent.entry else [])
+        elif mode == "user":
+            env["HOME"] = str(workdir)
+            iso.give_to(run_dir, uid)
+            os.chmod(run_dir, 0o700)
+            switch = iso.become(uid)
+            preexec = lambda: (die_with_parent(), switch())  # noqa: E731
+        elif mode == "container":
+            env_file = run_dir / "env"
+            iso.write_env_file(env_file, env)
+            command = iso.container_command(command, config.isolation.prefix, workdir=workdir, env_file=env_file,
+                                            uid=uid)
+        else:
+            print(iso.NONE_WARNING.format(trajectory=trajectory), file=sys.stderr, flush=True)
         started = time.time()
         submitted = {"steps": 0, "errors": []}
         with open(Path(workdir, "agent.log"), "wb") as log:
-            # Its own process group: an agent CLI's own children stop with it.
-            # A white-box run's stdout carries its steps; everything else an agent prints goes to its log.
-            process = subprocess.Popen(command, cwd=workdir, env=env,
-                                       stdout=subprocess.PIPE if agent.entry else log,
-                                       stderr=log if agent.entry else subprocess.STDOUT,
-                                       stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                       start_new_session=True, preexec_fn=die_with_parent)
+            # Its own process group: an agent CLI's own children stop with it. Everything it prints
+            # goes to its log; a white-box run's steps come on their own pipe, which its tools never inherit.
+            try:
+                process = subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                           start_new_session=True, preexec_fn=preexec,
+                                           pass_fds=(steps_write,) if steps_write is not None else ())
+            finally:
+                if steps_write is not None:
+                    os.close(steps_write)  # the run holds the only write end: its exit ends the reader
             with lock:  # registered, or stopped at once: an interrupt never misses a run that just started
                 processes[trajectory] = process
                 report.running += 1
@@ -201,8 +258,8 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool) -> Report:
             reader = None
             if agent.entry:
                 reader = threading.Thread(target=submit_steps, daemon=True, args=(
-                    process.stdout, proxy.client, submitted, {
-                        "trajectory_id": trajectory, "group_id": group, "channel": run.channel,
+                    os.fdopen(steps_read, "rb"), proxy.client, submitted, {
+                        "trajectory_id": trajectory, "group_id": group, "channel": run.channel, "model": run.model,
                         "metadata": {"agent": agent.name, "white_box": True}}))
                 reader.start()
             if stdin is not None:  # fed aside, so an agent that never reads it still times out
@@ -218,15 +275,21 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool) -> Report:
             with lock:
                 processes.pop(trajectory, None)
                 report.running -= 1
+        slots.put(slot)
         if stop.is_set():
             return  # interrupted: the trajectory stays open and runs again next time
         if outcome == "ok" and (process.returncode != 0 or submitted["errors"]):
             outcome = "failed"
         proxy.client.update_trajectory(trajectory, metadata={
             "exit_status": process.returncode, "outcome": outcome, "duration_s": round(time.time() - started, 3),
-            "workdir": workdir, **({"submitted_steps": submitted["steps"]} if agent.entry else {}),
+            "workdir": str(workdir), "isolation": mode,
+            **({"submitted_steps": submitted["steps"]} if agent.entry else {}),
             **({"submit_errors": submitted["errors"][:5]} if submitted["errors"] else {})})
-        proxy.client.complete_trajectory(trajectory)
+        # The proxy answers once every call of the run is committed: rewards then see every step.
+        completed = proxy.client.complete_trajectory(trajectory)
+        if not completed.get("barrier", {}).get("committed", True):
+            print(f"stepmill: {trajectory}: its calls were not all committed when it completed "
+                  f"({completed['barrier']}); score it again later", file=sys.stderr, flush=True)
         with lock:
             report.done += 1
             report.failed += outcome == "failed"
@@ -288,18 +351,20 @@ def feed(pipe, data: bytes) -> None:
 
 
 def submit_steps(stream, client: StepmillClient, submitted: dict, tags: dict) -> None:
-    """A white-box run's steps, one JSON line each, submitted with the runner's credential as they come."""
-    for index, line in enumerate(stream):
-        try:
-            step = json.loads(line)
-            if not isinstance(step, dict):
-                raise ValueError("a step is a JSON object")
-            first = {"parent_step_id": None} if index == 0 else {}  # a root, even after a cut-short run
-            client.submit_step(**{**step, **tags, **first, "step_index": index,
-                                  "metadata": {**(step.get("metadata") or {}), **tags["metadata"]}})
-            submitted["steps"] += 1
-        except (ValueError, ControlError) as exc:
-            submitted["errors"].append(f"step {index}: {exc}")
+    """A white-box run's steps, one JSON line each on its own pipe, submitted with the runner's
+    credential as they come. Of each line only the ids and what the engine said are taken."""
+    with stream:
+        for index, line in enumerate(stream):
+            try:
+                step = json.loads(line)
+                if not isinstance(step, dict):
+                    raise ValueError("a step is a JSON object")
+                reported = {name: step[name] for name in WHITE_BOX_FIELDS if step.get(name) is not None}
+                first = {"parent_step_id": None} if index == 0 else {}  # a root, even after a cut-short run
+                client.submit_step(**reported, **tags, **first, step_index=index)
+                submitted["steps"] += 1
+            except (ValueError, ControlError) as exc:
+                submitted["errors"].append(f"step {index}: {exc}")
 
 
 def stop_group(process: subprocess.Popen, grace: float = 3.0) -> None:

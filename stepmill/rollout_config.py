@@ -22,6 +22,11 @@
     [[dataset]]
     name = "arith"
     path = "tasks.jsonl"                      # one task a line: {"id", "prompt", "answer", …}
+    public = ["difficulty"]                   # task fields shown with the trajectory; all others but
+                                              # id and prompt are for scoring only (answers, tests)
+
+    [isolation]                               # how runs are kept from the runner's files (stepmill/isolation.py)
+    mode = "auto"                             # auto | sandbox | user | container | none
 
     [run]
     agent = "tool-loop"
@@ -46,6 +51,8 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .isolation import MODES, Isolation
 
 
 class ConfigError(ValueError):
@@ -91,6 +98,8 @@ class Config:
     proxy: dict
     rewards: bool  # whether the file has [[reward]] tables
     route: Route = field(default_factory=Route)
+    public: dict = field(default_factory=dict)  # dataset name -> task fields shown with trajectories
+    isolation: Isolation = field(default_factory=Isolation)
 
     def tasks(self, dataset: str) -> list[dict]:
         """The dataset's tasks, each with an ``id`` and a ``prompt`` (JSONL, or Parquet with pyarrow)."""
@@ -122,7 +131,8 @@ class Config:
 
 
 SECTIONS = {"proxy": {"url", "db", "confdir", "args"}, "agent": set(Agent.__dataclass_fields__),
-            "dataset": {"name", "path"}, "route": set(Route.__dataclass_fields__),
+            "dataset": {"name", "path", "public"}, "route": set(Route.__dataclass_fields__),
+            "isolation": set(Isolation.__dataclass_fields__),
             "run": set(Run.__dataclass_fields__), "reward": None}
 
 
@@ -197,11 +207,15 @@ def load(path: str | Path) -> Config:
         if not isinstance(entry.get("env", {}), dict):
             fail("agent", "env", "must be a table")
         agents[entry["name"]] = Agent(**entry)
-    datasets = {}
+    datasets, publics = {}, {}
     for entry in data.get("dataset", []):
         if not isinstance(entry.get("name"), str) or not isinstance(entry.get("path"), str):
             fail("dataset", None, "name and path (strings) are required")
         datasets[entry["name"]] = dataset_path(entry["path"], path.parent)
+        public = entry.get("public", [])
+        if not (isinstance(public, list) and all(isinstance(p, str) for p in public)):
+            fail("dataset", "public", "a list of task field names is required")
+        publics[entry["name"]] = public
     run = data.get("run")
     if not isinstance(run, dict):
         fail("run", None, "a [run] table is required")
@@ -248,5 +262,15 @@ def load(path: str | Path) -> Config:
         route["tokenizer"] = str((path.parent / os.path.expanduser(route["tokenizer"])).resolve())
     if any(a.entry for a in agents.values() if a.name in names) and not route.get("base_url"):
         fail("route", None, "white-box agents need route.base_url (the engine they generate with)")
+    isolation = data.get("isolation", {})
+    if isolation.get("mode", "auto") not in MODES:
+        fail("isolation", "mode", f"must be one of {', '.join(MODES)}")
+    if "first_uid" in isolation and not (isinstance(isolation["first_uid"], int) and 0 < isolation["first_uid"] < 2**31):
+        fail("isolation", "first_uid", "a positive uid is required")
+    if "prefix" in isolation and not (isinstance(isolation["prefix"], list) and isolation["prefix"]
+                                      and all(isinstance(p, str) for p in isolation["prefix"])):
+        fail("isolation", "prefix", "a non-empty list of strings is required")
+    if isolation.get("mode") == "container" and "prefix" not in isolation:
+        fail("isolation", "prefix", "mode = container needs the container command as prefix")
     return Config(path, agents, datasets, Run(**run), data.get("proxy", {}), bool(data.get("reward")),
-                  Route(**route))
+                  Route(**route), publics, Isolation(**isolation))

@@ -195,6 +195,39 @@ class Store:
                                     created_at=now_iso())
         return self.trajectory(trajectory_id)
 
+    # -- registered runs ----------------------------------------------------------------
+    def register_run(self, trajectory_id: str, secret_hash: str) -> dict:
+        """The runner's run: its trajectory (which must exist) may now be written only with the secret."""
+        with self.write() as conn:
+            row = conn.execute("SELECT group_id, channel FROM trajectories WHERE id = ?", [trajectory_id]).fetchone()
+            if row is None:
+                raise KeyError(trajectory_id)
+            cursor = conn.execute(
+                "INSERT INTO run_credentials (trajectory_id, group_id, channel, secret_hash, created_at)"
+                " VALUES (?, ?, ?, ?, ?)", [trajectory_id, row[0], row[1], secret_hash, now_iso()])
+        return {"rowid": cursor.lastrowid, "trajectory_id": trajectory_id, "group_id": row[0], "channel": row[1],
+                "secret_hash": secret_hash}
+
+    def registered_runs(self, after_rowid: int = 0) -> list[dict]:
+        """Registrations newer than ``after_rowid``, oldest first (a later one replaces an earlier)."""
+        return self.query("SELECT rowid, trajectory_id, group_id, channel, secret_hash FROM run_credentials"
+                          " WHERE rowid > ? ORDER BY rowid", [after_rowid])
+
+    def is_registered(self, trajectory_id: str) -> bool:
+        return self.db.conn.execute("SELECT 1 FROM run_credentials WHERE trajectory_id = ? LIMIT 1",
+                                    [trajectory_id]).fetchone() is not None
+
+    # -- scoring fields -------------------------------------------------------------------
+    def set_scoring_fields(self, trajectory_id: str, fields: dict) -> None:
+        with self.write() as conn:
+            conn.execute("INSERT OR REPLACE INTO scoring_fields (trajectory_id, fields) VALUES (?, ?)",
+                         [trajectory_id, dumps(fields)])
+
+    def scoring_fields(self, trajectory_id: str) -> dict:
+        row = self.db.conn.execute("SELECT fields FROM scoring_fields WHERE trajectory_id = ?",
+                                   [trajectory_id]).fetchone()
+        return (loads(row[0]) or {}) if row else {}
+
     # -- curation -------------------------------------------------------------------------
     def add_reward(self, target: str, value: float, *, source: str = "api", name: str | None = None,
                    note: str | None = None, details: Any = None, idempotency_key: str | None = None) -> dict:
@@ -296,6 +329,11 @@ class Store:
             trajectory_id, source = parent.trajectory_id, "chain" if rec.previous_response_id else "conversation"
         else:
             trajectory_id, source = new_id("t"), "conversation"
+        if source != "explicit" and conn.execute("SELECT 1 FROM run_credentials WHERE trajectory_id = ? LIMIT 1",
+                                                 [trajectory_id]).fetchone():
+            # A registered run is written only by calls the proxy admitted with its secret: a session
+            # id or a continued conversation naming it starts a trajectory of its own instead.
+            trajectory_id, source, parent = new_id("t"), "conversation", None
         if parent and parent.trajectory_id != trajectory_id:
             parent = None  # a chain into another trajectory is not this trajectory's history
         traj = ensure_trajectory(

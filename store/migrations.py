@@ -207,6 +207,17 @@ def _m006_consumption(db: sqlite_utils.Database) -> None:
     db["consumption"].create_index(["status"])
 
 
+def _m007_runs(db: sqlite_utils.Database) -> None:
+    # Runs the rollout runner registered: only the hash of each run's secret is kept; a rerun
+    # registers again (a new row, a new secret), so the newest row of a trajectory is the one in force.
+    db["run_credentials"].create({"trajectory_id": str, "group_id": str, "channel": str, "secret_hash": str,
+                                  "created_at": str})
+    db["run_credentials"].create_index(["trajectory_id"])
+    # A task's fields for scoring only (answers, tests): read by reward functions, served by no
+    # surface an agent reaches (not in trajectories.metadata, hidden in the UI).
+    db["scoring_fields"].create({"trajectory_id": str, "fields": str}, pk="trajectory_id")
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("capture", _m001_capture),
     ("tokens", _m002_tokens),
@@ -214,6 +225,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("curation", _m004_curation),
     ("quality_and_search", _m005_quality_and_search),
     ("consumption", _m006_consumption),
+    ("runs", _m007_runs),
 ]
 
 

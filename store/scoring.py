@@ -97,7 +97,8 @@ def trajectory_input(store: Store, row: dict) -> dict:
     steps.sort(key=lambda s: (s["step_index"] is None, s["step_index"]))
     last = steps[-1] if steps else {}
     return {"id": row["id"], "group_id": row["group_id"], "channel": row["channel"],
-            "metadata": loads(row["metadata"]) or {}, "messages": (last.get("messages") or []) +
+            # the task's scoring-only fields (answers, tests) join the metadata here, and only here
+            "metadata": {**(loads(row["metadata"]) or {}), **store.scoring_fields(row["id"])}, "messages": (last.get("messages") or []) +
             ([last["completion"]] if last.get("completion") else []),
             "completion": last.get("completion"), "steps": steps}
 

@@ -63,7 +63,9 @@ def test_the_tool_loop_agent_through_the_runner(proxy, marker, tmp_path):
     assert {t["status"] for t in trajectories} == {"complete"}
     assert {t["group_id"] for t in trajectories} == {f"arith-{marker}-t{i}" for i in range(3)}
     metadata = json.loads(trajectories[0]["metadata"])
-    assert metadata["exit_status"] == 0 and metadata["outcome"] == "ok" and metadata["answer"] == "0"
+    assert metadata["exit_status"] == 0 and metadata["outcome"] == "ok" and metadata["isolation"] == "sandbox"
+    # The answer is for scoring only: kept apart from the metadata every reader sees.
+    assert "answer" not in metadata and store.scoring_fields(trajectories[0]["id"]) == {"answer": "0"}
     steps = proxy.steps("s.trajectory_id LIKE ?", [f"arith-{marker}-%"], count=12)
     by_trajectory = {}
     for step in steps:
@@ -211,7 +213,7 @@ def test_both_shipped_agents_against_the_simulated_llm(proxy, simulated_llm, mar
                 before["prompt_ids"] + before["response_ids"]
             assert after["parent_step_id"] == before["step_id"]
     metadata = json.loads(trajectories[0]["metadata"])
-    assert metadata["outcome"] == "ok" and "answer" in metadata
+    assert metadata["outcome"] == "ok" and "answer" not in metadata
 
 
 def test_no_agent_gets_the_write_token(proxy, simulated_llm, marker, tmp_path):

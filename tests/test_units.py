@@ -30,7 +30,8 @@ def test_tag_path_and_credentials():
     assert (tags.trajectory_id, tags.group_id, rest) == ("run 1", "grp", "/v1/chat/completions")
     assert tagging.split_tag_path("/v1/chat/completions") is None
     header = "Basic " + base64.b64encode(b"traj:group").decode()
-    assert tagging.from_proxy_authorization(header) == tagging.Tags("traj", "group")
+    tags = tagging.from_proxy_authorization(header)
+    assert (tags.trajectory_id, tags.group_id) == ("traj", "group")
     assert tagging.from_proxy_authorization("Basic !!!") is None
     assert tagging.from_proxy_authorization(None) is None
 

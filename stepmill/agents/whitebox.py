@@ -5,9 +5,13 @@ its prompt as token ids, calls ``session.generate(ids)`` — a ``/v1/completions
 ids as the prompt and ``return_token_ids`` — and appends what the engine sampled to its own
 sequence, so its trajectory is one exact token sequence by construction, never re-encoded.
 
-The agent holds no stepmill credential: each generation is written as one JSON line to this
-process's standard output, and the rollout runner, which holds the write token, submits it
-through the control API. What the agent prints goes to its log (standard error).
+The agent holds no stepmill credential: each generation is written as one JSON line, and the
+rollout runner, which holds the write token, submits it through the control API. Under the
+runner the lines go to a pipe of their own (``STEPMILL_STEPS_FD``) that the agent's tools do not
+inherit and cannot open through ``/proc`` (this process is made non-dumpable), so a shell command
+the model runs cannot forge a step; the runner takes only ids, logprobs, the finish reason and
+the messages from them. Run by hand, the lines go to standard output; what the agent prints goes
+to its log (standard error).
 
     echo '{"prompt": "What is 2 + 3?"}' | STEPMILL_ENGINE_URL=http://127.0.0.1:8000/v1 \\
         python -m stepmill.agents.whitebox stepmill.agents.token_loop:run
@@ -124,13 +128,30 @@ def load_entry(entry: str):
     return getattr(importlib.import_module(module), name)
 
 
+PR_SET_DUMPABLE = 4
+
+
+def steps_channel():
+    """Where steps go: the runner's pipe, kept from every child process, or else standard output."""
+    fd = os.environ.pop("STEPMILL_STEPS_FD", None)
+    if fd is None:
+        return sys.stdout
+    os.set_inheritable(int(fd), False)  # the agent's tools (subprocesses) never get it
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        # Not dumpable: a process of the same user can no longer open /proc/<this pid>/fd/<fd>.
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    return os.fdopen(int(fd), "w", buffering=1)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2
-    steps_out = sys.stdout
-    sys.stdout = sys.stderr  # the agent's own prints go to its log; stdout carries only steps
+    steps_out = steps_channel()
+    sys.stdout = sys.stderr  # the agent's own prints go to its log
     try:
         task = json.loads(sys.stdin.read())
         session = Session(os.environ["STEPMILL_ENGINE_URL"], os.environ.get("STEPMILL_MODEL", "default"),

@@ -1,0 +1,69 @@
+"""Runs the rollout runner registered, as the event loop checks them: per-run credentials.
+
+The runner registers each run (trajectory, group, channel) with a fresh secret and hands the agent
+credentials that carry it. For a registered trajectory, only a credential (proxy user-info or a
+tagged reverse path) with its secret may write; tag headers never override a credential; a
+trajectory nobody registered may not join a registered group. Everything else is tagged as before
+(``tagging.py``). Lookups are dictionary reads and one SHA-256 of a short secret: cheap enough for
+the loop. The table is filled by the control API in this process and, for runs registered through
+another proxy on the same file, by a thread that reads new rows off the loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets as _secrets
+from dataclasses import dataclass
+
+from .tagging import Tags
+
+
+class Refused(Exception):
+    """A call that may not be recorded as tagged: answered 403, never written."""
+
+
+def new_secret() -> str:
+    return _secrets.token_urlsafe(24)  # base64url: a token that needs no escaping (tagging.py)
+
+
+def secret_hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Run:
+    trajectory_id: str
+    group_id: str | None
+    channel: str | None
+    secret_hash: str
+
+
+class RunTable:
+    def __init__(self):
+        self.runs: dict[str, Run] = {}
+        self.groups: set[str] = set()
+        self.seen_rowid = 0  # the last registration read from the store
+
+    def add(self, run: Run) -> None:
+        self.runs[run.trajectory_id] = run  # a re-registered run (a rerun) gets its new secret
+        if run.group_id:
+            self.groups.add(run.group_id)
+
+    def resolve(self, credential: Tags | None, headers: Tags | None) -> Tags:
+        """The tags a call is recorded under, or Refused with the reason."""
+        if credential is not None and credential.trajectory_id in self.runs:
+            run = self.runs[credential.trajectory_id]
+            if not credential.secret or not hmac.compare_digest(secret_hash(credential.secret), run.secret_hash):
+                raise Refused(f"trajectory {run.trajectory_id!r} is a registered run: its credentials carry "
+                              f"a secret this request {'gets wrong' if credential.secret else 'lacks'}")
+            return Tags(run.trajectory_id, run.group_id, run.channel)  # headers never override
+        tags = (credential or Tags()).merge(headers)
+        tags.secret = None
+        if tags.trajectory_id in self.runs:
+            raise Refused(f"trajectory {tags.trajectory_id!r} is a registered run: only its own credentials "
+                          f"(with its secret) may write to it, not tag headers")
+        if tags.group_id in self.groups:
+            raise Refused(f"group {tags.group_id!r} belongs to registered runs: trajectory "
+                          f"{tags.trajectory_id!r} is not one of them")
+        return tags
