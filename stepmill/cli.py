@@ -162,14 +162,18 @@ def reviewer(db, name, url):
 def ui(db, port, host, datasette_args):
     """Browse, review and curate the steps in Datasette.
 
-    It prints a one-time sign-in link for you; anyone else reads only, unless given a reviewer link
-    (`stepmill reviewer NAME`). Bound beyond localhost, nobody reads without signing in.
+    It prints a one-time sign-in link for you; nobody reads or writes without signing in, on
+    localhost too (agents must not read answers or change rewards). Others sign in with a reviewer
+    link (`stepmill reviewer NAME`).
     """
     from .store import Store
     from .store.ui import serve_args
 
     Store(db).close()  # create or migrate the file first, so Datasette sees the full schema
     from datasette.cli import cli as datasette_cli
+
+    click.echo("stepmill ui: nothing is shown without signing in; yours is the one-time link below "
+               "(keep it to yourself), reviewers' come from `stepmill reviewer NAME`", err=True)
 
     with tempfile.TemporaryDirectory(prefix="stepmill-ui-") as folder:
         args = serve_args(db, folder, host=host, port=port) + list(datasette_args)
@@ -222,7 +226,11 @@ def export(db, fmt, flavour, out, where, params, no_tokens, no_gate):
                 click.echo(f"left out: {left}", err=True)
         else:
             count = 0
-            with click.open_file(out, "w") as stream:
+            from .store.connection import private_opener
+
+            stream = click.open_file(out, "w") if out == "-" else \
+                open(out, "w", encoding="utf-8", opener=private_opener)  # owner only, like the database
+            with stream:
                 for record in store.iter_steps(condition, values, with_tokens=not no_tokens, gate=not no_gate):
                     stream.write(json.dumps(record, ensure_ascii=False) + "\n")
                     count += 1
@@ -391,8 +399,6 @@ def score(db, config_path, where, params, batch_size):
 def batches(db, layout, out_dir, where, params, group_ids, batch_size, max_prompt_length, max_response_length,
             overlong):
     """Write curated steps as numpy batches (.npz, with a .json of row metadata and counts)."""
-    from pathlib import Path
-
     import numpy as np
 
     from .trainer_bridge import step_batches, trajectory_batch, trajectory_rows, tree_batch
@@ -411,12 +417,15 @@ def batches(db, layout, out_dir, where, params, group_ids, batch_size, max_promp
         if not group_ids:
             raise click.UsageError("--layout tree packs groups: give --group (one or more)")
         produced = (tree_batch(store, group)[1] for group in group_ids)
-    folder = Path(out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    from .store.connection import private_dir, private_opener
+
+    folder = private_dir(out_dir)  # batches hold rewards: owner only, like the database
     total = 0
     for index, batch in enumerate(produced):
-        np.savez(folder / f"batch-{index:05d}.npz", **batch.tensors)
-        (folder / f"batch-{index:05d}.json").write_text(json.dumps({"meta": batch.meta, "report": batch.report}))
+        with open(folder / f"batch-{index:05d}.npz", "wb", opener=private_opener) as stream:
+            np.savez(stream, **batch.tensors)
+        with open(folder / f"batch-{index:05d}.json", "w", opener=private_opener) as stream:
+            stream.write(json.dumps({"meta": batch.meta, "report": batch.report}))
         total += len(batch)
         counts = ", ".join(f"{k} {v}" for k, v in batch.report.items() if k != "rows")
         click.echo(f"batch {index}: {len(batch)} rows" + (f" ({counts})" if counts else ""), err=True)
@@ -463,8 +472,12 @@ def rollout(config_path, db, no_progress):
     # Ctrl-C (and a plain kill) stop the runs cleanly, also where the shell started us with SIGINT ignored.
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
+    from .isolation import IsolationError
+
     try:
         report = run_rollout(config, db=db, progress=not no_progress)
+    except IsolationError as exc:
+        raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         click.echo("interrupted: what the runs sent is kept; run the same command again to resume", err=True)
         sys.exit(130)

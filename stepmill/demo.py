@@ -57,15 +57,26 @@ def _wait_for(url: str, process: subprocess.Popen, what: str, log: Path, timeout
             time.sleep(0.2)
 
 
+ISOLATION_SAYS = {
+    "sandbox": "isolation: each run in a bubblewrap sandbox (own PID namespace, the database, journals, "
+               "token, dataset and configuration hidden)",
+    "none": "isolation: NONE (bubblewrap is not usable here): agents could read the answers and change their "
+            "own data; install bubblewrap to sandbox them",
+}
+
+
 def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6, ui: bool = True,
              wait: bool = True, ui_port: int | None = None) -> dict:
     from .qwen_vocab import default_folder
+    from .isolation import resolve as resolve_isolation
+    from .store.connection import private_dir, private_opener
     from .rollout import rollout
     from .rollout_config import load
 
     started = time.time()
     folder = folder.resolve()
-    folder.mkdir(parents=True, exist_ok=True)
+    private_dir(folder)
+    folder.chmod(0o700)  # it holds the answers, the database and the UI's sign-in link
     db = folder / "stepmill.db"
     for old in (db, folder / "stepmill.db-wal", folder / "stepmill.db-shm", folder / "stepmill.db.journal",
                 folder / "batches", folder / "export"):
@@ -88,6 +99,7 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
         dataset = folder / "tasks.jsonl"
         bundled = (resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
         dataset.write_text("\n".join(bundled[:tasks]) + "\n")
+        dataset.chmod(0o600)  # it holds the answers
         config_path = folder / "rollout.toml"
         config_path.write_text(example_config(base_url, MODEL, dataset="tasks.jsonl", n=n, concurrency=concurrency,
                                               confdir=folder / "mitmproxy"))
@@ -97,7 +109,9 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
         say("collect", f"2 agents × {min(tasks, len(bundled))} tasks × {n} rollouts through the proxy")
         info("tool-loop: black-box openai-SDK agent, sees only HTTPS_PROXY; the proxy records its calls")
         info("token-loop: white-box agent, token ids in and out; the runner submits its exact steps")
-        report = rollout(load(config_path), db=str(db), progress=True)
+        config = load(config_path)
+        info(ISOLATION_SAYS[resolve_isolation(config.isolation)])
+        report = rollout(config, db=str(db), progress=True)
         summary["runs"] = {"done": report.done, "failed": report.failed, "timed_out": report.timed_out}
 
         from .store import Store
@@ -152,13 +166,14 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
         info(f"prefix trees: {original} tokens of trajectory rows pack into {packed} ({ratio:.2f}x): "
              "rollouts of one task share their prompt")
         out = folder / "batches"
-        out.mkdir()
+        private_dir(out)
         import numpy as np
 
         written = 0
         for index, batch in enumerate(step_batches(store, batch_size=64)):
             if len(batch):
-                np.savez(out / f"steps-{index:04d}.npz", **batch.tensors)
+                with open(out / f"steps-{index:04d}.npz", "wb", opener=private_opener) as handle:
+                    np.savez(handle, **batch.tensors)
                 written += len(batch)
         info(f"{written} gated steps as padded step batches in {out} (verl's field names)")
         summary["tree_ratio"] = round(ratio, 3)
@@ -182,18 +197,18 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
             say("review", "the Datasette UI on the result")
             ui_port = ui_port or free_port()
             ui_log = folder / "ui.log"
-            with open(ui_log, "wb") as out_log:
+            with open(ui_log, "wb", opener=private_opener) as out_log:  # it holds the root sign-in link
                 children.append(subprocess.Popen([sys.executable, "-m", "stepmill.cli", "ui", "--db", str(db),
                                                   "--port", str(ui_port)], stdout=out_log, stderr=subprocess.STDOUT,
                                                  preexec_fn=die_with_parent))
             home = f"http://127.0.0.1:{ui_port}"
             _wait_for(f"{home}/-/stepmill/lifecycle", children[-1], "the UI", ui_log)
             summary["ui"] = home
-            info(f"lifecycle: {home}/-/stepmill/lifecycle")
-            info(f"a trajectory: {home}/-/stepmill/trajectories/{groups[0]['group_id']}-0" if groups else home)
             sign_in = _sign_in_link(ui_log)
             if sign_in:
-                info(f"sign in to review (yours only): {sign_in}")
+                info(f"sign in first — nothing is served without it, on localhost too (yours only): {sign_in}")
+            info(f"lifecycle: {home}/-/stepmill/lifecycle")
+            info(f"a trajectory: {home}/-/stepmill/trajectories/{groups[0]['group_id']}-0" if groups else home)
             if wait and (os.environ.get("DISPLAY") or sys.platform == "darwin"):
                 import webbrowser
 

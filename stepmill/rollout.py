@@ -119,14 +119,17 @@ class ProxyHandle:
 
 
 def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> Report:
+    mode = iso.resolve(config.isolation)  # before anything starts: an isolation we cannot have is an error
+    if mode == "user":
+        iso.check_user_mode(config.datasets[config.run.dataset])
     proxy = ProxyHandle(config, db)
     try:
-        return _rollout(config, proxy, progress)
+        return _rollout(config, proxy, progress, mode)
     finally:
         proxy.close()  # whatever happened, a proxy started here stops here
 
 
-def _rollout(config: Config, proxy: ProxyHandle, progress: bool) -> Report:
+def _rollout(config: Config, proxy: ProxyHandle, progress: bool, mode: str) -> Report:
     run = config.run
     from stepmill.store import Store
 
@@ -152,10 +155,8 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool) -> Report:
         from .qwen_vocab import default_folder
 
         white_box_tokenizer = str(default_folder())  # the bundled Qwen2 vocabulary, built once
-    mode = report.isolation = iso.resolve(config.isolation)
+    report.isolation = mode
     dataset_file = config.datasets[run.dataset]
-    if mode == "user":
-        iso.check_user_mode(dataset_file)
     runs_root = Path(tempfile.mkdtemp(prefix="stepmill-rollout-"))
     os.chmod(runs_root, 0o711)  # other users (user mode) reach their own run folder, list none
     private = iso.Private.of(db=proxy.db, confdir=proxy.confdir, dataset=dataset_file,
@@ -190,92 +191,94 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool) -> Report:
         # A fresh secret per run (a rerun's replaces the old): only this run's credentials write here.
         secret = proxy.client.register_run(trajectory)["secret"]
         slot = slots.get()
-        uid = config.isolation.first_uid + slot
-        run_dir = Path(tempfile.mkdtemp(prefix=encode_id(trajectory)[:80] + "-", dir=runs_root))
-        workdir = run_dir / "work"
-        workdir.mkdir()
-        run_bundle = run_dir / "ca-bundle.pem"  # the run's own copy: the confdir stays hidden
-        shutil.copyfile(bundle, run_bundle)
-        os.chmod(run_bundle, 0o644)
-        values = {"task": task["prompt"], "model": run.model, "workdir": str(workdir), "trajectory": trajectory,
-                  "group": group, "base_url": config.route.base_url or "", "origin": origin(config.route.base_url),
-                  "python": sys.executable}
-        # No agent gets the write token; loopback LLMs go through the proxy too (no NO_PROXY).
-        base = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy" and k != TOKEN_ENV}
-        direct = {k: v for k, v in base.items() if not k.lower().endswith("_proxy")}
-        steps_read = steps_write = None
-        if agent.entry:  # white-box: straight to the engine; its steps come back on a pipe of its own
-            steps_read, steps_write = os.pipe()
-            command = [sys.executable, "-m", "stepmill.agents.whitebox", agent.entry]
-            env = {**direct, **trust_env(str(run_bundle)), **agent.env,
-                   "STEPMILL_ENGINE_URL": config.route.base_url, "STEPMILL_MODEL": run.model,
-                   "STEPMILL_TOKENIZER": white_box_tokenizer, "STEPMILL_STEPS_FD": str(steps_write)}
-            stdin = json.dumps(task).encode()
-        else:
-            command = [fill(part, values) for part in agent.command]
-            env = {**(direct if config.route.reverse else base), **proxy.env(trajectory, secret, config.route, run_bundle),
-                   **{name: fill(str(value), values) for name, value in agent.env.items()}}
-            stdin = task["prompt"].encode() if agent.input == "stdin" else None
-            if agent.input == "file":
-                Path(workdir, agent.file).write_text(task["prompt"])
-        env["STEPMILL_TRAJECTORY"] = trajectory
-        preexec = die_with_parent
-        if mode == "sandbox":
-            command = iso.sandbox_command(command, run_dir=run_dir, private=private,
-                                          needs=[Path(white_box_tokenizer)] if agent.entry else [])
-        elif mode == "user":
-            env["HOME"] = str(workdir)
-            iso.give_to(run_dir, uid)
-            os.chmod(run_dir, 0o700)
-            switch = iso.become(uid)
-            preexec = lambda: (die_with_parent(), switch())  # noqa: E731
-        elif mode == "container":
-            env_file = run_dir / "env"
-            iso.write_env_file(env_file, env)
-            command = iso.container_command(command, config.isolation.prefix, workdir=workdir, env_file=env_file,
-                                            uid=uid)
-        else:
-            print(iso.NONE_WARNING.format(trajectory=trajectory), file=sys.stderr, flush=True)
-        started = time.time()
-        submitted = {"steps": 0, "errors": []}
-        with open(Path(workdir, "agent.log"), "wb") as log:
-            # Its own process group: an agent CLI's own children stop with it. Everything it prints
-            # goes to its log; a white-box run's steps come on their own pipe, which its tools never inherit.
-            try:
-                process = subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                           start_new_session=True, preexec_fn=preexec,
-                                           pass_fds=(steps_write,) if steps_write is not None else ())
-            finally:
-                if steps_write is not None:
-                    os.close(steps_write)  # the run holds the only write end: its exit ends the reader
-            with lock:  # registered, or stopped at once: an interrupt never misses a run that just started
-                processes[trajectory] = process
-                report.running += 1
-                stopping = stop.is_set()
-            if stopping:
-                stop_group(process)
-            reader = None
-            if agent.entry:
-                reader = threading.Thread(target=submit_steps, daemon=True, args=(
-                    os.fdopen(steps_read, "rb"), proxy.client, submitted, {
-                        "trajectory_id": trajectory, "group_id": group, "channel": run.channel, "model": run.model,
-                        "metadata": {"agent": agent.name, "white_box": True}}))
-                reader.start()
-            if stdin is not None:  # fed aside, so an agent that never reads it still times out
-                threading.Thread(target=feed, args=(process.stdin, stdin), daemon=True).start()
-            outcome = "ok"
-            try:
-                process.wait(timeout=run.timeout)
-            except subprocess.TimeoutExpired:
-                stop_group(process)
-                outcome = "timeout"
-            if reader is not None:
-                reader.join(30)
-            with lock:
-                processes.pop(trajectory, None)
-                report.running -= 1
-        slots.put(slot)
+        try:
+            uid = config.isolation.first_uid + slot
+            run_dir = Path(tempfile.mkdtemp(prefix=encode_id(trajectory)[:80] + "-", dir=runs_root))
+            workdir = run_dir / "work"
+            workdir.mkdir()
+            run_bundle = run_dir / "ca-bundle.pem"  # the run's own copy: the confdir stays hidden
+            shutil.copyfile(bundle, run_bundle)
+            os.chmod(run_bundle, 0o644)
+            values = {"task": task["prompt"], "model": run.model, "workdir": str(workdir), "trajectory": trajectory,
+                      "group": group, "base_url": config.route.base_url or "", "origin": origin(config.route.base_url),
+                      "python": sys.executable}
+            # No agent gets the write token; loopback LLMs go through the proxy too (no NO_PROXY).
+            base = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy" and k != TOKEN_ENV}
+            direct = {k: v for k, v in base.items() if not k.lower().endswith("_proxy")}
+            steps_read = steps_write = None
+            if agent.entry:  # white-box: straight to the engine; its steps come back on a pipe of its own
+                steps_read, steps_write = os.pipe()
+                command = [sys.executable, "-m", "stepmill.agents.whitebox", agent.entry]
+                env = {**direct, **trust_env(str(run_bundle)), **agent.env,
+                       "STEPMILL_ENGINE_URL": config.route.base_url, "STEPMILL_MODEL": run.model,
+                       "STEPMILL_TOKENIZER": white_box_tokenizer, "STEPMILL_STEPS_FD": str(steps_write)}
+                stdin = json.dumps(task).encode()
+            else:
+                command = [fill(part, values) for part in agent.command]
+                env = {**(direct if config.route.reverse else base), **proxy.env(trajectory, secret, config.route, run_bundle),
+                       **{name: fill(str(value), values) for name, value in agent.env.items()}}
+                stdin = task["prompt"].encode() if agent.input == "stdin" else None
+                if agent.input == "file":
+                    Path(workdir, agent.file).write_text(task["prompt"])
+            env["STEPMILL_TRAJECTORY"] = trajectory
+            preexec = die_with_parent
+            if mode == "sandbox":
+                command = iso.sandbox_command(command, run_dir=run_dir, private=private,
+                                              needs=[Path(white_box_tokenizer)] if agent.entry else [])
+            elif mode == "user":
+                env["HOME"] = str(workdir)
+                iso.give_to(run_dir, uid)
+                os.chmod(run_dir, 0o700)
+                switch = iso.become(uid)
+                preexec = lambda: (die_with_parent(), switch())  # noqa: E731
+            elif mode == "container":
+                env_file = run_dir / "env"
+                iso.write_env_file(env_file, env)
+                command = iso.container_command(command, config.isolation.prefix, workdir=workdir, env_file=env_file,
+                                                uid=uid)
+            else:
+                print(iso.NONE_WARNING.format(trajectory=trajectory), file=sys.stderr, flush=True)
+            started = time.time()
+            submitted = {"steps": 0, "errors": []}
+            with open(Path(workdir, "agent.log"), "wb") as log:
+                # Its own process group: an agent CLI's own children stop with it. Everything it prints
+                # goes to its log; a white-box run's steps come on their own pipe, which its tools never inherit.
+                try:
+                    process = subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                               stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                               start_new_session=True, preexec_fn=preexec,
+                                               pass_fds=(steps_write,) if steps_write is not None else ())
+                finally:
+                    if steps_write is not None:
+                        os.close(steps_write)  # the run holds the only write end: its exit ends the reader
+                with lock:  # registered, or stopped at once: an interrupt never misses a run that just started
+                    processes[trajectory] = process
+                    report.running += 1
+                    stopping = stop.is_set()
+                if stopping:
+                    stop_group(process)
+                reader = None
+                if agent.entry:
+                    reader = threading.Thread(target=submit_steps, daemon=True, args=(
+                        os.fdopen(steps_read, "rb"), proxy.client, submitted, {
+                            "trajectory_id": trajectory, "group_id": group, "channel": run.channel, "model": run.model,
+                            "metadata": {"agent": agent.name, "white_box": True}}))
+                    reader.start()
+                if stdin is not None:  # fed aside, so an agent that never reads it still times out
+                    threading.Thread(target=feed, args=(process.stdin, stdin), daemon=True).start()
+                outcome = "ok"
+                try:
+                    process.wait(timeout=run.timeout)
+                except subprocess.TimeoutExpired:
+                    stop_group(process)
+                    outcome = "timeout"
+                if reader is not None:
+                    reader.join(30)
+                with lock:
+                    processes.pop(trajectory, None)
+                    report.running -= 1
+        finally:
+            slots.put(slot)  # a run that failed to start frees its uid too
         if stop.is_set():
             return  # interrupted: the trajectory stays open and runs again next time
         if outcome == "ok" and (process.returncode != 0 or submitted["errors"]):

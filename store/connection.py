@@ -6,6 +6,7 @@ it read-only and never take the write lock, so they work while another process w
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,8 +23,55 @@ class StoreError(ValueError):
     """A request the store refuses, with a message saying why."""
 
 
+# Everything stepmill writes holds agents' tasks, answers and rewards: owner only, whatever the umask
+# (the addon also runs inside a plain mitmdump, whose umask we do not choose).
+def private_opener(path, flags: int) -> int:
+    """For ``open(..., opener=private_opener)``: a new file is 0600; an existing one open to others becomes 0600."""
+    fd = os.open(path, flags, 0o600)
+    if os.fstat(fd).st_mode & 0o077:
+        os.fchmod(fd, 0o600)
+    return fd
+
+
+def private_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` and its missing parents 0700; folders that already exist are left as they are."""
+    target = folder = Path(path)
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            continue
+        os.chmod(folder, 0o700)  # the umask can only take bits away; this makes it exactly 0700
+    return target
+
+
+def _private_database(path: str) -> None:
+    """SQLite gives -wal, -shm and -journal the database file's mode, so the file is made 0600 before
+    SQLite opens it; leftovers of an older stepmill that others could read are closed too."""
+    if path in ("", ":memory:") or path.startswith("file:"):
+        return
+    try:
+        os.close(private_opener(path, os.O_RDWR | os.O_CREAT))
+    except OSError:
+        return  # SQLite says why it cannot open it
+    for suffix in ("-wal", "-shm", "-journal"):
+        try:
+            if os.stat(path + suffix).st_mode & 0o077:
+                os.chmod(path + suffix, 0o600)
+        except OSError:
+            pass
+
+
 def open_database(path: str, *, readonly: bool = False) -> tuple[sqlite_utils.Database, int]:
-    """(database, schema version). A read-only open never writes, not even a migration."""
+    """(database, schema version). A read-only open never writes, not even a migration.
+
+    Opened for writing, the file (created 0600 if new) and its -wal/-shm are made owner-only (0600)
+    when group or others could read them.
+    """
     if readonly:
         if not Path(path).exists():
             raise StoreError(f"no stepmill database at {path}")
@@ -38,6 +86,7 @@ def open_database(path: str, *, readonly: bool = False) -> tuple[sqlite_utils.Da
             raise StoreError(f"{path} has schema version {len(MIGRATIONS) - len(missing)}, this stepmill reads "
                              f"{len(MIGRATIONS)}; open it once with a writer (e.g. `stepmill proxy`) to migrate")
         return db, len(MIGRATIONS)
+    _private_database(path)
     conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False, isolation_level=None)
     db = sqlite_utils.Database(conn)
     conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")

@@ -4,27 +4,51 @@ Routes (HTML, or JSON with a .json suffix):
   /-/stepmill/steps/<step_id>
   /-/stepmill/trajectories/<trajectory_id>
   /-/stepmill/lifecycle
-  /-/stepmill/sign-in?token=…       a named reviewer's token (``stepmill reviewer NAME``) → signed in
+  /-/stepmill/sign-in?token=…       a named reviewer's token (``stepmill reviewer NAME``) → signed in;
+                                    without a token: how to sign in
   POST /-/stepmill/review           a signed-in reviewer's label / trainable / tag / note / reward
 
-Anonymous visitors read; only a signed-in actor (Datasette's root, or a named reviewer) writes.
+Only signed-in actors (Datasette's root through the link ``stepmill ui`` prints, or a named
+reviewer) read or write anything, on localhost too: agents on this machine must not read tasks'
+answers or change rewards. Anonymous requests get 403 (a page: a redirect to the sign-in page),
+except the sign-in routes and static assets.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from datasette import hookimpl
-from datasette.utils.asgi import Response
+from datasette.plugins import pm
+from datasette.tokens import TokenInvalid
+from datasette.utils import await_me_maybe, tilde_encode
+from datasette.utils.asgi import Request, Response
 from markupsafe import Markup, escape
 
 from . import reviewers
 from .db import Store
 from .lifecycle import STAGES, lifecycle
 from .linking import content_text
+
+SIGN_IN = "/-/stepmill/sign-in"
+# What anonymous visitors may fetch: the sign-in routes and static assets, nothing with data in it.
+_OPEN = re.compile(r"^/(?:-/(?:auth-token|logout|stepmill/sign-in|static/.*|static-plugins/.*)|favicon\.ico)$")
+
+
+def stepmill_path(kind: str, item_id, ext: str = "") -> str:
+    """``/-/stepmill/<kind>/<id><ext>``, the id one percent-encoded path segment. Dots are encoded too,
+    so an id ending in ``.json`` is not read as the JSON of a shorter id."""
+    return f"/-/stepmill/{kind}/{quote(str(item_id), safe='').replace('.', '%2E')}{ext}"
+
+
+def _segment(request, key: str) -> str:
+    """The id in the path: Datasette routes on the raw, still percent-encoded path; decoded once here."""
+    return unquote(request.url_vars[key])
+
 
 _stores: dict[str, Store] = {}
 _lock = threading.RLock()  # one Store connection per file, used by one thread at a time
@@ -121,13 +145,16 @@ async def _view(datasette, request, what: str, load, key: str, template: str, as
     if not await _readable(datasette, request):
         return Response.html("<h1>Sign in to read</h1>", status=403)
     as_json = bool(request.url_vars.get("ext"))
+    item_id = _segment(request, key)
     try:
-        db_name, context = await _call(datasette, request, load, request.url_vars[key])
+        db_name, context = await _call(datasette, request, load, item_id)
     except KeyError:
-        return _not_found(f"{what} {request.url_vars[key]}", as_json)
+        return _not_found(f"{what} {item_id}", as_json)
     if as_json:
         return Response.json(as_data(context), default=str)
-    context = {**context, "db_name": db_name, "actor": request.actor, "next": request.path}
+    table = "steps" if key == "step_id" else "trajectories"
+    context = {**context, "db_name": db_name, "actor": request.actor, "next": stepmill_path(table, item_id),
+               "row_url": datasette.urls.row(db_name, table, tilde_encode(item_id))}
     return Response.html(await datasette.render_template(template, context, request=request))
 
 
@@ -158,11 +185,15 @@ async def lifecycle_view(datasette, request):
 
 
 async def sign_in(datasette, request):
-    """A named reviewer's token becomes Datasette's signed actor cookie."""
+    """A named reviewer's token becomes Datasette's signed actor cookie; without one, how to sign in."""
     token = request.args.get("token") or ""
-    _, name = await _call(datasette, request, lambda store: reviewers.who(store.db.conn, token))
+    name = None
+    if token:
+        _, name = await _call(datasette, request, lambda store: reviewers.who(store.db.conn, token))
     if not name:
-        return Response.html("<h1>Unknown or replaced reviewer token</h1>", status=403)
+        page = await datasette.render_template(
+            "stepmill_sign_in.html", {"refused": bool(token), "actor": request.actor}, request=request)
+        return Response.html(page, status=403 if token else 200)
     response = Response.redirect("/-/stepmill/lifecycle")
     response.set_cookie("ds_actor", datasette.sign({"a": {"id": name, "stepmill": "reviewer"}}, "actor"),
                         httponly=True, samesite="lax")
@@ -201,6 +232,50 @@ async def review(datasette, request):
     return Response.redirect(following if following.startswith("/-/stepmill/") else "/")
 
 
+async def _signed_in(datasette, scope, receive) -> bool:
+    """Whether the request carries an actor, found the way Datasette's router finds it."""
+    if scope.get("actor"):
+        return True
+    found = False
+    for result in pm.hook.actor_from_request(datasette=datasette, request=Request(scope, receive)):
+        try:
+            found = bool(await await_me_maybe(result)) or found  # every coroutine awaited, as Datasette does
+        except TokenInvalid:
+            pass
+    return found
+
+
+def _refusal(path: str, method: str) -> Response:
+    if path.endswith(".json"):
+        return Response.json({"ok": False, "status": 403, "error": "Sign in to read: open the link `stepmill ui` "
+                              "printed, or a `stepmill reviewer NAME` link"}, status=403)
+    if method in ("GET", "HEAD"):
+        return Response.redirect(SIGN_IN)
+    return Response.html("<h1>Sign in first</h1>", status=403)
+
+
+@hookimpl
+def asgi_wrapper(datasette):
+    """Nobody anonymous reads anything: every page, table, query and JSON API, ours and Datasette's
+    (its own permissions leave some of them open, e.g. /-/versions.json)."""
+
+    def wrap(app):
+        async def signed_in_only(scope, receive, send):
+            if scope["type"] != "http":
+                return await app(scope, receive, send)
+            path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1").partition("?")[0]
+            base = datasette.setting("base_url")
+            if base != "/" and path.startswith(base):
+                path = "/" + path[len(base):]
+            if _OPEN.match(path) or await _signed_in(datasette, scope, receive):
+                return await app(scope, receive, send)
+            await _refusal(path, scope.get("method", "GET")).asgi_send(send)
+
+        return signed_in_only
+
+    return wrap
+
+
 @hookimpl
 def register_routes():
     return [
@@ -216,7 +291,8 @@ def register_routes():
 def prepare_jinja2_environment(env):
     env.filters["stepmill_text"] = content_text
     env.filters["stepmill_pretty_args"] = _pretty_arguments
-    env.filters["stepmill_quote"] = lambda value: quote(str(value), safe="")
+    env.filters["stepmill_step_url"] = lambda value: stepmill_path("steps", value)
+    env.filters["stepmill_trajectory_url"] = lambda value: stepmill_path("trajectories", value)
     env.filters["stepmill_json"] = lambda value: json.dumps(value, indent=2, ensure_ascii=False, default=str)
 
 
@@ -237,17 +313,17 @@ def render_cell(row, value, column, table):
         text = content_text(message.get("content"))[:160]
         calls = ", ".join((c.get("function") or {}).get("name") or "?" for c in message.get("tool_calls") or [])
         preview = escape(text) + (Markup(f" <em>→ {escape(calls)}</em>") if calls else "")
-        return Markup(f'{preview} <a href="/-/stepmill/steps/{escape(row["id"])}">read</a>')
+        return Markup(f'{preview} <a href="{escape(stepmill_path("steps", row["id"]))}">read</a>')
     if table == "trajectories" and column == "id" and value:
-        return Markup(f'{escape(value)} <a href="/-/stepmill/trajectories/{escape(value)}">read</a>')
+        return Markup(f'{escape(value)} <a href="{escape(stepmill_path("trajectories", value))}">read</a>')
     return None
 
 
 @hookimpl
 def row_actions(datasette, database, table, row):
     if table == "steps":
-        return [{"href": f"/-/stepmill/steps/{row['id']}", "label": "Read conversation",
+        return [{"href": stepmill_path("steps", row["id"]), "label": "Read conversation",
                  "description": "Roles, tool calls and thinking of this step"}]
     if table == "trajectories":
-        return [{"href": f"/-/stepmill/trajectories/{row['id']}", "label": "Read trajectory"}]
+        return [{"href": stepmill_path("trajectories", row["id"]), "label": "Read trajectory"}]
     return None

@@ -6,8 +6,9 @@ writer commits entries to SQLite in batches and records how far it got *in the s
 transaction*, and whatever is past that position is replayed by the next writer.
 
 Layout: ``<db>.journal/<id>/`` per writer, holding ``lock`` (flocked while a writer owns the
-journal) and segments ``00000001.seg``, …. An entry is ``length u32 | crc32 u32 | payload``;
-a torn last entry (the process died mid-append) fails its length or CRC check and is ignored.
+journal) and segments ``00000001.seg``, …; folders 0700, files 0600 (the owner's only). An entry
+is ``length u32 | crc32 u32 | payload``; a torn last entry (the process died mid-append) fails
+its length or CRC check and is ignored.
 The payload is a small JSON header and raw byte blobs, so appending a 50 MB body costs a
 memory copy, not a serialisation.
 """
@@ -23,6 +24,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+from .connection import private_dir, private_opener
 
 _HEAD = struct.Struct("<II")  # length of payload, crc32 of payload
 _U32 = struct.Struct("<I")
@@ -102,8 +105,11 @@ class Journal:
         """A new journal, locked before it becomes visible (a writer looking for orphans must never
         take a journal whose owner is still setting it up)."""
         name = uuid.uuid4().hex[:16]
-        hidden = journal_root(db_path) / f".{name}.new"
-        hidden.mkdir(parents=True, exist_ok=False)
+        root = private_dir(journal_root(db_path))
+        if root.stat().st_mode & 0o077:
+            root.chmod(0o700)  # made by an older stepmill: calls in it are no one else's to read
+        hidden = root / f".{name}.new"
+        hidden.mkdir(mode=0o700)
         journal = cls(hidden)
         if not journal.try_lock(shared=True):
             raise RuntimeError(f"could not lock the new journal {hidden}")
@@ -128,7 +134,7 @@ class Journal:
     def try_lock(self, *, shared: bool = False) -> bool:
         """Owners (the proxy appending, its writer committing) hold the lock shared; a journal whose
         lock can be taken exclusively has no owner left: it is an orphan to replay."""
-        handle = open(self.folder / "lock", "a+b")
+        handle = open(self.folder / "lock", "a+b", opener=private_opener)
         try:
             fcntl.flock(handle, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError:
@@ -174,11 +180,11 @@ class Journal:
             # Each opening starts a new segment: a torn tail left by a crash stays at a segment's end.
             existing = self.segments()
             self._segment = int(existing[-1].stem) + 1 if existing else 1
-            self._append = open(self._segment_path(self._segment), "ab", buffering=0)
+            self._append = open(self._segment_path(self._segment), "ab", buffering=0, opener=private_opener)
         elif self._append.tell() >= SEGMENT_BYTES:
             self._append.close()
             self._segment += 1
-            self._append = open(self._segment_path(self._segment), "ab", buffering=0)
+            self._append = open(self._segment_path(self._segment), "ab", buffering=0, opener=private_opener)
         start = self._append.tell()
         parts = [entry] if isinstance(entry, (bytes, bytearray, memoryview)) else list(entry)
         try:

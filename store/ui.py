@@ -128,20 +128,17 @@ def config(db_name: str) -> dict:
     }
 
 
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
 def serve_args(db_path: str, folder: str | Path, *, host: str, port: int) -> list[str]:
     """Arguments for ``datasette`` serving one stepmill database; its configuration is written to ``folder``.
 
-    ``--root`` makes Datasette print a one-time sign-in link for the local user. Bound beyond
-    localhost, anonymous visitors see nothing (pages, raw bodies, SQL): everyone signs in.
+    ``--root`` makes Datasette print a one-time sign-in link for the local user. Anonymous visitors
+    see nothing, on localhost too (agents on this machine must not read answers): everyone signs in.
+    The plugin's ASGI gate enforces it for every route; ``allow`` makes Datasette's own permissions agree.
     """
     name = Path(db_path).stem
     folder = Path(folder)
     settings = config(name)
-    if host not in LOCAL_HOSTS:
-        settings["allow"] = {"id": "*"}  # any signed-in actor; nobody anonymous
+    settings["allow"] = {"id": "*"}  # any signed-in actor; nobody anonymous
     (folder / "metadata.json").write_text(json.dumps(metadata(name)))
     (folder / "datasette.json").write_text(json.dumps(settings))
     return ["serve", str(db_path), "--host", host, "--port", str(port), "--root",

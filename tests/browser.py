@@ -1,5 +1,9 @@
-"""A small Chrome DevTools Protocol client for Debian's chromium (no driver, nothing downloaded).
+"""Clients for `stepmill ui`: the server itself with the sign-in link it prints (``UI``), and a
+small Chrome DevTools Protocol client for Debian's chromium (no driver, nothing downloaded).
 
+    with UI(db) as ui:
+        status, body, headers = ui.get("/-/stepmill/lifecycle.json")            # signed in (root)
+        status, body, headers = ui.get("/-/stepmill/lifecycle.json", anonymous=True)
     with Browser(tmp_path) as browser:
         browser.go("http://127.0.0.1:8001/")
         browser.click("[data-sm=label-bad]")   # and waits for the page it leads to
@@ -8,16 +12,94 @@
 
 from __future__ import annotations
 
+import http.cookiejar
 import json
+import re
 import shutil
 import subprocess
+import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 from websockets.sync.client import connect
 
 CHROMIUM = shutil.which("chromium")
+STEPMILL = [sys.executable, "-m", "stepmill.cli"]
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None  # a redirect is the answer, not followed
+
+
+class UI:
+    """`stepmill ui` started for real; ``get`` is signed in as root (through the one-time link it printed)
+    unless ``anonymous``. Redirects are not followed: a 302 and its Location are what comes back."""
+
+    def __init__(self, db: Path, *, host: str = "127.0.0.1"):
+        from stepmill.children import free_port
+
+        self.db, self.host, self.port = db, host, free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.process = None
+        self.link = None
+        self.output: list[str] = []
+        self._jar = None
+
+    def __enter__(self) -> "UI":
+        self.process = subprocess.Popen(STEPMILL + ["ui", "--db", str(self.db), "--host", self.host,
+                                                    "--port", str(self.port)],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 60
+        while self.link is None:
+            line = self.process.stdout.readline()
+            if not line and (self.process.poll() is not None or time.time() > deadline):
+                raise RuntimeError("stepmill ui printed no sign-in link:\n" + "".join(self.output))
+            self.output.append(line)
+            found = re.search(r"(http://\S+/-/auth-token\?token=\w+)", line)
+            if found:
+                self.link = found.group(1)
+        threading.Thread(target=lambda: [self.output.append(x) for x in self.process.stdout], daemon=True).start()
+        while self.get("/-/static/app.css", anonymous=True)[0] is None:  # it prints the link before it listens
+            if time.time() > deadline:
+                raise RuntimeError("stepmill ui did not listen:\n" + "".join(self.output))
+            time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc):
+        self.process.terminate()
+        self.process.wait(15)
+
+    def opener(self, jar=None):
+        handlers = [urllib.request.ProxyHandler({}), _NoRedirect()]
+        if jar is not None:
+            handlers.append(urllib.request.HTTPCookieProcessor(jar))
+        return urllib.request.build_opener(*handlers)
+
+    def sign_in(self, link: str) -> http.cookiejar.CookieJar:
+        """The cookies a sign-in link (root's or a reviewer's) gives."""
+        jar = http.cookiejar.CookieJar()
+        status, _, _ = self.get(link.replace(link.split("/-/")[0], self.base), jar=jar)
+        assert status == 302 and jar, f"signing in with {link} gave {status}"
+        return jar
+
+    def get(self, path: str, *, anonymous: bool = False, jar=None, data: bytes | None = None):
+        """(status, body text, headers); status None when nothing listens."""
+        if not anonymous and jar is None:
+            if self._jar is None:
+                self._jar = self.sign_in(self.link)
+            jar = self._jar
+        url = path if path.startswith("http") else self.base + path
+        try:
+            with self.opener(jar).open(urllib.request.Request(url, data=data), timeout=15) as response:
+                return response.status, response.read().decode("utf-8", "replace"), response.headers
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode("utf-8", "replace"), exc.headers
+        except OSError:
+            return None, "", {}
 
 
 class Browser:

@@ -4,10 +4,11 @@ import json
 import shutil
 import subprocess
 import sys
-import urllib.request
+import urllib.parse
 
 import pytest
 
+from .browser import CHROMIUM, UI, Browser
 from .conftest import STEPMILL, free_port, http_json, wait_until
 
 EXPORT_FIELDS = ["step_id", "trajectory_id", "group_id", "parent_step_id", "step_index", "api", "transport", "host",
@@ -56,58 +57,52 @@ def test_stats(proxy, captured):
 
 @pytest.fixture(scope="module")
 def ui(proxy, captured):
-    port = free_port()
-    process = subprocess.Popen(STEPMILL + ["ui", "--db", str(proxy.db), "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    with UI(proxy.db) as ui:
+        yield ui
 
-    def up():
-        try:
-            return urllib.request.urlopen(f"http://127.0.0.1:{port}/-/versions.json", timeout=2).status == 200
-        except OSError:
-            return False
 
-    wait_until(up, timeout=60, what="datasette")
-    yield f"http://127.0.0.1:{port}"
-    process.terminate()
-    process.wait(10)
+def _json(ui, path):
+    status, body, _ = ui.get(path)
+    return status, json.loads(body)
 
 
 def test_ui_answers_json_query_for_a_step(ui, captured):
     step = captured[1]
-    status, data = http_json("GET", f"{ui}/steps/steps.json?_shape=objects&id={step['step_id']}")
+    status, data = _json(ui, f"/steps/steps.json?_shape=objects&id={step['step_id']}")
     assert status == 200 and data["rows"][0]["id"] == step["step_id"]
     assert data["rows"][0]["model"] == "gpt-ui"
     sql = urllib.parse.quote("select count(*) as n from steps where trajectory_id = 'ui-traj'")
-    status, data = http_json("GET", f"{ui}/steps.json?sql={sql}&_shape=objects")
+    status, data = _json(ui, f"/steps/-/query.json?sql={sql}&_shape=objects")
     assert data["rows"][0]["n"] == 2
-    status, record = http_json("GET", f"{ui}/-/stepmill/steps/{step['step_id']}.json")
+    status, record = _json(ui, f"/-/stepmill/steps/{step['step_id']}.json")
     assert status == 200 and record["messages"] == step["messages"]
 
 
 def test_ui_facets_and_readable_views(ui, captured):
-    html = urllib.request.urlopen(f"{ui}/steps/steps", timeout=10).read().decode()
+    html = ui.get("/steps/steps")[1]
     for facet in ("model", "api", "status", "channel", "trajectory_id"):
         assert f'data-column="{facet}"' in html
-    page = urllib.request.urlopen(f"{ui}/-/stepmill/steps/{captured[1]['step_id']}", timeout=10).read().decode()
+    page = ui.get(f"/-/stepmill/steps/{captured[1]['step_id']}")[1]
     assert "tool call" in page and "get_weather" in page and "sm-tool" in page
     assert "warm &lt;b&gt;and&lt;/b&gt; dry" in page  # content is escaped, not rendered
-    trajectory = urllib.request.urlopen(f"{ui}/-/stepmill/trajectories/ui-traj", timeout=10).read().decode()
+    trajectory = ui.get("/-/stepmill/trajectories/ui-traj")[1]
     assert trajectory.count('class="sm-step"') == 2
-    status, _ = http_json("GET", f"{ui}/-/stepmill/steps/no-such-step.json")
+    status, _ = _json(ui, "/-/stepmill/steps/no-such-step.json")
     assert status == 404
 
 
-@pytest.mark.skipif(not shutil.which("chromium"), reason="Debian's chromium is not installed")
-def test_step_page_in_a_headless_browser(ui, captured, tmp_path):
-    url = f"{ui}/-/stepmill/trajectories/ui-traj"
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp_path / 'profile'}"]
-    dom = subprocess.run(["chromium", *flags, "--dump-dom", url], capture_output=True, text=True, timeout=60).stdout
-    assert "Trajectory ui-traj" in dom and dom.count('class="sm-msg') >= 4
-    shot = tmp_path / "trajectory.png"
-    subprocess.run(["chromium", *flags, f"--screenshot={shot}", "--window-size=1200,1400", url],
-                   capture_output=True, timeout=60)
+@pytest.mark.skipif(not CHROMIUM, reason="Debian's chromium is not installed")
+def test_step_page_in_a_headless_browser(proxy, ui, captured, tmp_path):
+    link = subprocess.run(STEPMILL + ["reviewer", "browser", "--db", str(proxy.db), "--url", ui.base],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with Browser(tmp_path) as browser:
+        browser.go(link)
+        browser.go(f"{ui.base}/-/stepmill/trajectories/ui-traj")
+        dom = browser.html()
+        assert "Trajectory ui-traj" in dom and dom.count('class="sm-msg') >= 4
+        browser.send("Emulation.setDeviceMetricsOverride", width=1200, height=1400, deviceScaleFactor=1, mobile=False)
+        shot = tmp_path / "trajectory.png"
+        browser.screenshot(shot)
     assert shot.exists() and shot.stat().st_size > 10_000
 
 
@@ -118,7 +113,6 @@ def test_mitmdump_loads_the_addon_without_the_cli(tmp_path, upstream):
 
     import httpx2
 
-    from .conftest import stop_proxy
 
     script = subprocess.run(STEPMILL + ["addon-path"], capture_output=True, text=True, check=True).stdout.strip()
     mitmdump = shutil.which("mitmdump", path=str(__import__("pathlib").Path(sys.executable).parent))

@@ -9,13 +9,13 @@ import ssl
 import subprocess
 import threading
 import time
-import urllib.request
 
 import httpx2
 import openai
 import pytest
 
-from .conftest import STEPMILL, answers, free_port, start_proxy, stop_proxy, wait_until
+from .browser import UI
+from .conftest import STEPMILL, start_proxy, stop_proxy, wait_until
 
 # A call is in the journal this long after its last byte reached the agent (README: durability).
 JOURNAL_BOUND = 0.5
@@ -133,12 +133,9 @@ def test_many_processes_on_one_file(tmp_path, upstream, marker):
     tokenizer = build_qwen_tokenizer(tmp_path / "qwen", KEEP_THINKING)
     first = start_proxy(tmp_path / "one", upstream)
     second = start_proxy(tmp_path / "one", upstream)  # the same file, its own journal and writer
-    ui_port = free_port()
-    ui = subprocess.Popen(STEPMILL + ["ui", "--db", str(first.db), "--port", str(ui_port)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    ui = UI(first.db).__enter__()  # signed in through the link it prints
     outputs = []
     try:
-        wait_until(lambda: answers(f"http://127.0.0.1:{ui_port}/-/versions.json"), timeout=60, what="datasette")
         one = _client(first)
         two = openai.OpenAI(api_key="sk-x", base_url=f"http://127.0.0.1:{second.reverse_port}/v1", max_retries=0)
         stop = threading.Event()
@@ -150,7 +147,7 @@ def test_many_processes_on_one_file(tmp_path, upstream, marker):
                     done = subprocess.run(STEPMILL + command, capture_output=True, text=True, timeout=60)
                     outputs.append(done.stderr + done.stdout)
                     assert done.returncode == 0, done.stderr
-                urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/steps/steps.json?_size=5", timeout=10).read()
+                assert ui.get("/steps/steps.json?_size=5")[0] == 200
 
         reader = threading.Thread(target=readers)
         reader.start()
@@ -164,8 +161,7 @@ def test_many_processes_on_one_file(tmp_path, upstream, marker):
         assert not any("database is locked" in out for out in outputs)
         assert any("rendered" in out and "rendered 0 steps" not in out for out in outputs)  # tokenize wrote
     finally:
-        ui.terminate()
-        ui.wait(30)
+        ui.__exit__(None, None, None)
         stop_proxy(second)
         stop_proxy(first)
     _integrity(first.db)

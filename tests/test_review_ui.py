@@ -1,41 +1,21 @@
 """Review in Datasette, in a real headless chromium: sign in, label a step bad, set a trajectory
-reward; the rows are written and the next export changes. Anonymous visitors cannot write."""
+reward; the rows are written and the next export changes. Anonymous visitors read and write nothing."""
 
-import http.cookiejar
 import json
-import re
 import subprocess
-import threading
-import urllib.error
 import urllib.parse
-import urllib.request
 
 import openai
 import pytest
 
-from .browser import CHROMIUM, Browser
-from .conftest import STEPMILL, answers, free_port, wait_until
+from .browser import CHROMIUM, UI, Browser
+from .conftest import STEPMILL
 
 
 @pytest.fixture
-def ui_with_link(proxy):
-    port = free_port()
-    process = subprocess.Popen(STEPMILL + ["ui", "--db", str(proxy.db), "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-
-    def link():
-        line = process.stdout.readline()
-        lines.append(line)
-        return re.search(r"(http://\S+/-/auth-token\?token=\w+)", line)
-
-    found = wait_until(link, timeout=60, what="the sign-in link stepmill ui prints")
-    threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True).start()  # a full pipe would block it
-    # Datasette prints the link before its server listens: wait until it answers.
-    wait_until(lambda: answers(f"http://127.0.0.1:{port}/-/versions.json"), timeout=60, what="datasette listening")
-    yield f"http://127.0.0.1:{port}", found.group(1)
-    process.terminate()
-    process.wait(15)
+def ui(proxy):
+    with UI(proxy.db) as ui:
+        yield ui
 
 
 def _two_steps(proxy, marker) -> str:
@@ -56,16 +36,18 @@ def _export(proxy, trajectory):
 
 
 @pytest.mark.skipif(not CHROMIUM, reason="Debian's chromium is not installed")
-def test_a_reviewer_in_the_browser_changes_the_next_export(proxy, marker, ui_with_link, tmp_path):
-    base, sign_in = ui_with_link
+def test_a_reviewer_in_the_browser_changes_the_next_export(proxy, marker, ui, tmp_path):
+    base = ui.base
     trajectory = _two_steps(proxy, marker)
     first, second = proxy.trajectory_steps(trajectory, 2)
     before, _ = _export(proxy, trajectory)
     assert len(before) == 2
     with Browser(tmp_path) as browser:
         browser.go(f"{base}/-/stepmill/steps/{first['step_id']}")
-        assert "Sign in to review" in browser.html() and "data-sm=\"label-bad\"" not in browser.html()
-        browser.go(sign_in)  # Datasette's root sign-in link, printed by `stepmill ui`
+        page = browser.html()  # anonymous: sent to the sign-in page, nothing of the step
+        assert "Sign in to read" in page and "stepmill reviewer NAME" in page and marker not in page
+        assert "data-sm=\"label-bad\"" not in page
+        browser.go(ui.link)  # Datasette's root sign-in link, printed by `stepmill ui`
         browser.go(f"{base}/-/stepmill/steps/{first['step_id']}")
         browser.click("[data-sm=label-bad]")
         assert "label <strong>bad</strong>" in browser.html()
@@ -86,83 +68,68 @@ def test_a_reviewer_in_the_browser_changes_the_next_export(proxy, marker, ui_wit
     assert (tmp_path / "trajectory.png").stat().st_size > 10_000
 
 
-def test_anonymous_writes_are_refused_and_named_reviewers_sign_in(proxy, marker, ui_with_link):
-    base, _ = ui_with_link
+def test_anonymous_writes_are_refused_and_named_reviewers_sign_in(proxy, marker, ui):
     trajectory = _two_steps(proxy, marker)
     step = proxy.trajectory_steps(trajectory, 2)[0]
     form = urllib.parse.urlencode({"target": step["step_id"], "action": "label", "value": "bad",
                                    "next": "/-/stepmill/lifecycle"}).encode()
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(urllib.request.Request(f"{base}/-/stepmill/review", data=form), timeout=10)
-    assert refused.value.code == 403
+    assert ui.get("/-/stepmill/review", anonymous=True, data=form)[0] == 403
     assert proxy.store().query("SELECT count(*) AS n FROM reviews WHERE target_id = ?", [step["step_id"]])[0]["n"] == 0
 
-    link = subprocess.run(STEPMILL + ["reviewer", f"ana-{marker}", "--db", str(proxy.db), "--url", base],
+    link = subprocess.run(STEPMILL + ["reviewer", f"ana-{marker}", "--db", str(proxy.db), "--url", ui.base],
                           capture_output=True, text=True, check=True).stdout.strip()
-    jar = http.cookiejar.CookieJar()
-    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
-    assert b"Lifecycle" in opener.open(link, timeout=10).read()
-    opener.open(urllib.request.Request(f"{base}/-/stepmill/review", data=form), timeout=10).read()
+    ana = ui.sign_in(link)
+    status, page, _ = ui.get("/-/stepmill/lifecycle", jar=ana)
+    assert status == 200 and "Lifecycle" in page
+    status, _, headers = ui.get("/-/stepmill/review", jar=ana, data=form)
+    assert status == 302 and headers["location"] == "/-/stepmill/lifecycle"
     assert proxy.store().query("SELECT reviewer, value FROM reviews WHERE target_id = ?", [step["step_id"]]) == \
         [{"reviewer": f"ana-{marker}", "value": "bad"}]
-    with pytest.raises(urllib.error.HTTPError) as wrong:
-        urllib.request.urlopen(f"{base}/-/stepmill/sign-in?token=not-a-token", timeout=10)
-    assert wrong.value.code == 403
-    lifecycle = json.loads(urllib.request.urlopen(f"{base}/-/stepmill/lifecycle.json", timeout=10).read())
+    status, page, _ = ui.get("/-/stepmill/sign-in?token=not-a-token", anonymous=True)
+    assert status == 403 and "Unknown or replaced reviewer token" in page
+    assert ui.get("/-/stepmill/lifecycle.json", anonymous=True)[0] == 403
+    status, body, _ = ui.get("/-/stepmill/lifecycle.json", jar=ana)
+    lifecycle = json.loads(body)
     assert lifecycle["overall"][0]["collected"] >= 2 and lifecycle["overall"][0]["reviewed"] >= 1
 
 
-def test_bound_beyond_localhost_nothing_is_shown_to_anonymous_visitors(tmp_path):
+def test_datasette_is_told_that_only_signed_in_actors_read_wherever_it_listens(tmp_path):
     from stepmill.store.ui import serve_args
 
-    args = serve_args(tmp_path / "x.db", tmp_path, host="0.0.0.0", port=8001)
-    assert json.loads((tmp_path / "datasette.json").read_text())["allow"] == {"id": "*"}
-    assert "--root" in args
-    serve_args(tmp_path / "x.db", tmp_path, host="127.0.0.1", port=8001)
-    assert "allow" not in json.loads((tmp_path / "datasette.json").read_text())
+    for host in ("0.0.0.0", "127.0.0.1"):
+        args = serve_args(tmp_path / "x.db", tmp_path, host=host, port=8001)
+        assert json.loads((tmp_path / "datasette.json").read_text())["allow"] == {"id": "*"}
+        assert "--root" in args
 
 
 def test_beyond_localhost_anonymous_visitors_see_nothing(proxy):
-    port = free_port()
-    process = subprocess.Popen(STEPMILL + ["ui", "--db", str(proxy.db), "--host", "0.0.0.0", "--port", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def status(path):
-        try:
-            return urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5).status
-        except urllib.error.HTTPError as exc:
-            return exc.code
-        except OSError:
-            return None
-
-    try:
-        wait_until(lambda: status("/") is not None, timeout=60, what="datasette")
-        name = proxy.db.stem
+    name = proxy.db.stem
+    with UI(proxy.db, host="0.0.0.0") as ui:
         for path in ("/", f"/{name}/steps", f"/{name}?sql=select+raw_request+from+steps", "/-/stepmill/lifecycle"):
-            assert status(path) == 403, path
-    finally:
-        process.terminate()
-        process.wait(15)
+            status, _, headers = ui.get(path, anonymous=True)
+            assert (status, headers["location"]) == (302, "/-/stepmill/sign-in"), path
+        for path in (f"/{name}/steps.json", f"/{name}/-/query.json?sql=select+raw_request+from+steps"):
+            assert ui.get(path, anonymous=True)[0] == 403, path
+        assert ui.get(f"/{name}/steps.json")[0] == 200  # signed in through the link it printed
 
 
-def test_search_finds_a_command_in_conversations(proxy, marker, ui_with_link):
-    base, _ = ui_with_link
+def test_search_finds_a_command_in_conversations(proxy, marker, ui):
     client = openai.OpenAI(api_key="sk-x", base_url="https://api.openai.com/v1", max_retries=0)
     client.chat.completions.create(model="gpt-test", messages=[
         {"role": "user", "content": f"clean up with rm -rf build/ {marker}"}])
     proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"])
     query = urllib.parse.urlencode({"q": f'"rm -rf" {marker}', "_shape": "objects"})
-    rows = json.loads(urllib.request.urlopen(f"{base}/{proxy.db.stem}/search.json?{query}", timeout=10).read())["rows"]
+    status, body, _ = ui.get(f"/{proxy.db.stem}/search.json?{query}")
+    rows = json.loads(body)["rows"]
     assert len(rows) >= 1 and all("rm -rf" in r["match"].replace("[", "").replace("]", "") for r in rows)
 
 
-def test_a_drift_is_shown_where_it_is(proxy, marker, ui_with_link):
-    base, _ = ui_with_link
+def test_a_drift_is_shown_where_it_is(proxy, marker, ui):
     client = proxy.client()
     run = client.start_trajectory(trajectory_id=f"drift-{marker}")
     client.submit_step(trajectory_id=run["trajectory_id"], prompt_ids=[1, 2, 3], response_ids=[4, 5])
     child = client.submit_step(trajectory_id=run["trajectory_id"], prompt_ids=[1, 2, 3, 4, 9, 6], response_ids=[7])
     assert child["consistency"] == "divergent" and child["divergence_pos"] == 4
-    page = urllib.request.urlopen(f"{base}/-/stepmill/steps/{child['step_id']}", timeout=10).read().decode()
+    status, page, _ = ui.get(f"/-/stepmill/steps/{child['step_id']}")
     assert "Token drift at position 4" in page
     assert '<td class="sm-at">5' in page and '<td class="sm-at">9' in page  # parent's token, this prompt's token

@@ -98,6 +98,10 @@ def test_failing_and_slow_agents_are_recorded(proxy, marker, tmp_path):
     ('[run]\nagent = "tool-loop"\ndataset = "x"\nnn = 4\n', ":{line}: run.nn: unknown key"),
     ('[run]\nagent = "nobody"\ndataset = "x"\n', ":{line}: run.agent: no [[agent]] named 'nobody'"),
     ('[run]\nagent = "tool-loop"\ndataset = "x"\nn = 0\n', ":{line}: run.n: a positive integer is required"),
+    ('[run]\nagent = "tool-loop"\ndataset = "x"\n[isolation]\nmode = "jail"\n',
+     ":{line}: isolation.mode: must be one of auto, sandbox, user, container, none"),
+    ('[run]\nagent = "tool-loop"\ndataset = "x"\n[isolation]\nmode = "container"\nprefix = []\n',
+     ":{line}: isolation.prefix: a non-empty list of strings is required"),
 ])
 def test_configuration_errors_name_the_key_and_line(tmp_path, mistake, message):
     text = ('[[agent]]\nname = "tool-loop"\ncommand = ["true"]\n\n[[dataset]]\nname = "x"\npath = "t.jsonl"\n\n'

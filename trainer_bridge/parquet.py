@@ -8,7 +8,7 @@ Two flavours:
   ``messages`` (both, for SFT) as lists of {role, content, …}, with ``reward``.
 
 The manifest (``manifest.json``) holds the filters, the gate's counts, every source step id, the
-schema, the stepmill version and the time.
+schema, the stepmill version and the time. Shards and manifest are 0600, a folder made for them 0700.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stepmill import __version__
+from stepmill.store.connection import private_dir, private_opener
 from stepmill.store.db import Store, now_iso
 from stepmill.store.linking import content_text
 
@@ -54,15 +55,15 @@ def export_parquet(store: Store, folder: str | Path, *, flavour: str = "tokens",
 
     if flavour not in FLAVOURS:
         raise ValueError(f"flavour must be one of {FLAVOURS}")
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = private_dir(folder)
     schema = _schema(flavour)
     report, rows, files, step_ids = Counter(), [], [], []
 
     def flush():
         if rows:
             name = f"part-{len(files):05d}.parquet"
-            pq.write_table(pa.Table.from_pylist(rows, schema=schema), folder / name)
+            with open(folder / name, "wb", opener=private_opener) as out:  # owner only, like the database
+                pq.write_table(pa.Table.from_pylist(rows, schema=schema), out)
             files.append({"file": name, "rows": len(rows)})
             rows.clear()
 
@@ -92,5 +93,6 @@ def export_parquet(store: Store, folder: str | Path, *, flavour: str = "tokens",
         "where": where, "params": params if isinstance(params, dict) else list(params), "gate": gate},
         "gate": store.gate_counts(where, params), "left_out": dict(report), "rows": len(step_ids),
         "files": files, "schema": schema.to_string(), "step_ids": step_ids}
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
+    with open(folder / "manifest.json", "w", opener=private_opener) as out:
+        out.write(json.dumps(manifest, indent=1, default=str))
     return manifest

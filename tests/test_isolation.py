@@ -1,0 +1,52 @@
+"""The runner's isolation choices beyond the sandbox (the adversarial suite attacks sandbox and user
+mode): none says on every run that agents are not kept from their data; container runs the prefix
+with its placeholders filled; user mode refuses a dataset other users can read."""
+
+import json
+import sys
+
+from .test_rollout import _config, _rollout
+
+STAND_IN = """
+import json, os, sys
+# A stand-in for a container engine (none runs on these machines): note what it was given, then run.
+args = sys.argv[1:]
+env_file, workdir, uid, command = args[0], args[1], args[2], args[4:]
+with open(os.path.join(workdir, "container.json"), "w") as out:
+    json.dump({"env_file": env_file, "workdir": workdir, "uid": uid,
+               "env": dict(line.split("=", 1) for line in open(env_file).read().splitlines() if line)}, out)
+os.execvp(command[0], command)
+"""
+
+
+def test_none_says_on_every_run_that_agents_are_not_isolated(proxy, marker, tmp_path):
+    config = _config(tmp_path, proxy, marker, agent_command=[sys.executable, "-c", "print('ok')"],
+                     extra='\n[isolation]\nmode = "none"\n')
+    done = _rollout(config)
+    assert "6 runs finished (0 failed, 0 timed out)" in done.stderr
+    assert done.stderr.count("is NOT isolated (isolation = none)") == 6, done.stderr
+
+
+def test_container_mode_runs_the_prefix_with_its_placeholders(proxy, marker, tmp_path):
+    engine = tmp_path / "engine.py"
+    engine.write_text(STAND_IN)
+    prefix = [sys.executable, str(engine), "{env_file}", "{workdir}", "{uid}", "--"]
+    config = _config(tmp_path, proxy, marker, extra=f'\n[isolation]\nmode = "container"\nprefix = {json.dumps(prefix)}\n')
+    done = _rollout(config)
+    assert "6 runs finished (0 failed, 0 timed out)" in done.stderr, done.stderr
+    store = proxy.store()
+    row = store.query("SELECT metadata FROM trajectories WHERE id = ?", [f"arith-{marker}-t0-0"])[0]
+    metadata = json.loads(row["metadata"])
+    seen = json.loads(open(f"{metadata['workdir']}/container.json").read())
+    assert metadata["isolation"] == "container" and seen["workdir"] == metadata["workdir"]
+    assert seen["env"]["HTTPS_PROXY"].startswith(f"http://arith-{marker}-t0-0:")  # its credentials, its secret
+    assert "STEPMILL_TOKEN" not in seen["env"]
+    assert len(proxy.steps("s.trajectory_id LIKE ?", [f"arith-{marker}-%"], count=12)) == 12
+
+
+def test_user_mode_refuses_a_dataset_other_users_can_read(proxy, marker, tmp_path):
+    config = _config(tmp_path, proxy, marker, extra='\n[isolation]\nmode = "user"\n')
+    (tmp_path / "tasks.jsonl").chmod(0o644)
+    done = _rollout(config)
+    assert done.returncode != 0
+    assert "is readable by other users, agents included (its answers too): chmod go-r it" in done.stderr

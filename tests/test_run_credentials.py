@@ -1,0 +1,124 @@
+"""Per-run credentials through the real proxy: a registered run is written only with its secret; tag
+headers never override credentials; intruders are refused with a clear 403 and no step; completing a
+trajectory waits until its calls are committed; anonymous health says nothing but ok."""
+
+import json
+import sqlite3
+import ssl
+import threading
+import time
+
+import httpx2
+import openai
+import pytest
+
+from .conftest import http_json
+
+
+def _client(proxy, url: str, **headers) -> openai.OpenAI:
+    http_client = httpx2.Client(proxy=url, verify=ssl.create_default_context(cafile=proxy.env["SSL_CERT_FILE"]),
+                                headers=headers)
+    return openai.OpenAI(api_key="sk-x", base_url="https://api.openai.com/v1", http_client=http_client, max_retries=0)
+
+
+def _registered(proxy, marker, name: str) -> dict:
+    client = proxy.client()
+    client.start_trajectory(trajectory_id=f"{name}-{marker}", group_id=f"grp-{marker}", channel="train")
+    return client.register_run(f"{name}-{marker}")
+
+
+def _ask(client, text: str):
+    return client.chat.completions.create(model="gpt-test", messages=[{"role": "user", "content": text}])
+
+
+def test_a_registered_run_is_written_only_with_its_secret(proxy, marker):
+    run = _registered(proxy, marker, "run")
+    other = _registered(proxy, marker, "other")
+    assert run["proxy_url"].startswith(f"http://run-{marker}:{run['secret']}@")
+    assert run["base_url"].endswith(f"/t/run-{marker}/k/{run['secret']}")
+    _ask(_client(proxy, run["proxy_url"]), f"mine {marker}")  # the run's own credentials: recorded
+    [step] = proxy.trajectory_steps(f"run-{marker}", 1)
+    assert step["group_id"] == f"grp-{marker}" and step["channel"] == "train"
+
+    host = f"127.0.0.1:{proxy.port}"
+    attempts = {
+        "no secret": f"http://other-{marker}@{host}",
+        "the group as password": f"http://other-{marker}:grp-{marker}@{host}",
+        "another run's secret": f"http://other-{marker}:{run['secret']}@{host}",
+        "an intruder in a registered group": f"http://intruder-{marker}:grp-{marker}@{host}",
+    }
+    for what, url in attempts.items():
+        with pytest.raises(openai.PermissionDeniedError) as refused:
+            _ask(_client(proxy, url), f"{what} {marker}")
+        assert refused.value.body["type"] == "stepmill_refused", what
+    # Tag headers never override credentials, and never name a registered run on their own.
+    _ask(_client(proxy, run["proxy_url"], **{"X-Stepmill-Trajectory": f"other-{marker}", "X-Stepmill-Channel": "x"}),
+         f"header on top {marker}")
+    with pytest.raises(openai.PermissionDeniedError, match="not tag headers"):
+        _ask(_client(proxy, f"http://{host}", **{"X-Stepmill-Trajectory": f"other-{marker}"}), f"hdr {marker}")
+    # The reverse listener takes the same secret in its path.
+    reverse = openai.OpenAI(api_key="sk-x", max_retries=0,
+                            base_url=f"http://127.0.0.1:{proxy.reverse_port}/t/other-{marker}/k/{other['secret']}/v1")
+    _ask(reverse, f"reverse {marker}")
+    with pytest.raises(openai.PermissionDeniedError):
+        _ask(openai.OpenAI(api_key="sk-x", max_retries=0, base_url=f"http://127.0.0.1:{proxy.reverse_port}"
+                           f"/t/other-{marker}/g/grp-{marker}/v1"), f"reverse group {marker}")
+
+    assert len(proxy.trajectory_steps(f"run-{marker}", 2)) == 2
+    [mine] = proxy.trajectory_steps(f"other-{marker}", 1)
+    assert "reverse" in json.dumps(mine["messages"])
+    store = proxy.store()
+    assert store.query("SELECT count(*) AS n FROM trajectories WHERE id = ?", [f"intruder-{marker}"])[0]["n"] == 0
+    assert store.query("SELECT DISTINCT channel FROM steps WHERE group_id = ?", [f"grp-{marker}"]) == [{"channel": "train"}]
+    log = proxy.log.read_text()
+    assert f"stepmill: refused POST api.openai.com/v1/chat/completions: trajectory 'other-{marker}' is a registered run" in log
+    assert f"group 'grp-{marker}' belongs to registered runs" in log
+
+
+def test_a_rerun_gets_a_new_secret_and_the_old_one_stops_working(proxy, marker):
+    first = _registered(proxy, marker, "again")
+    second = proxy.client().register_run(f"again-{marker}")
+    assert second["secret"] != first["secret"]
+    with pytest.raises(openai.PermissionDeniedError):
+        _ask(_client(proxy, first["proxy_url"]), f"old {marker}")
+    _ask(_client(proxy, second["proxy_url"]), f"new {marker}")
+
+
+def test_a_session_id_cannot_name_a_registered_run(proxy, openai_client, marker):
+    _registered(proxy, marker, "sess")
+    openai_client.chat.completions.create(model="gpt-test", messages=[{"role": "user", "content": f"s {marker}"}],
+                                          extra_headers={"x-session-id": f"sess-{marker}"})
+    [step] = proxy.steps("s.messages_suffix LIKE ?", [f"%s {marker}%"])
+    assert step["trajectory_id"] != f"sess-{marker}"
+
+
+def test_anonymous_health_says_only_that_the_proxy_is_alive(proxy):
+    status, body = http_json("GET", "http://stepmill.local/v1/health", proxy=proxy.url)
+    assert (status, body) == (200, {"ok": True})
+    full = proxy.client().health()
+    assert full["db"] == str(proxy.db) and "capture" in full
+
+
+def test_complete_waits_until_the_runs_calls_are_committed(proxy, marker):
+    """A trajectory completed while the database is locked: complete answers only once the writer
+    committed the run's last call, so a reward computed next sees it."""
+    run = _registered(proxy, marker, "barrier")
+    client = _client(proxy, run["proxy_url"])
+    _ask(client, f"first {marker}")
+    proxy.trajectory_steps(f"barrier-{marker}", 1)
+    lock = sqlite3.connect(proxy.db, timeout=30, check_same_thread=False)
+    lock.execute("BEGIN IMMEDIATE")  # the writer cannot commit until this ends
+    release = threading.Timer(2.0, lock.rollback)
+    try:
+        _ask(client, f"last {marker}")
+        release.start()
+        started = time.monotonic()
+        done = proxy.client().complete_trajectory(f"barrier-{marker}")
+        waited = time.monotonic() - started
+    finally:
+        release.join()
+        lock.close()
+    assert done["barrier"]["committed"] is True and waited > 1.0, (done, waited)
+    store = proxy.store()
+    assert store.query("SELECT count(*) AS n FROM steps WHERE trajectory_id = ?", [f"barrier-{marker}"])[0]["n"] == 2
+    assert proxy.client().barrier()["committed"] is True
