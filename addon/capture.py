@@ -385,7 +385,7 @@ class StepmillAddon:
         request = flow.request
         try:
             body = json.loads(request.get_content(strict=False) or b"")
-        except ValueError:
+        except (ValueError, RecursionError):
             return  # the writer records it as the malformed request it is
         if isinstance(body, dict):
             capture.added = engine.inject(body, capture.call.api)

@@ -12,15 +12,13 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable
 
-from mitmproxy.net import encoding
-
 from stepmill.store.db import Store
 
 from . import recording, tagging
 from .protocols import ROUTES, Completion, ParsedRequest, ProtocolError, openai_responses
 from .protocols.base import load_json_object
 from .recording import Call
-from .stream_tap import assemble
+from .stream_tap import assemble, decode_kept
 
 MODULES = {api: module for _, api, module in ROUTES}
 # A Responses WebSocket frame that ends a turn: found on the loop without parsing the frame.
@@ -43,12 +41,9 @@ def call_from(header: dict) -> Call:
 
 
 def decoded(raw: bytes, content_encoding: str | None) -> tuple[bytes, str | None]:
-    if not content_encoding or content_encoding.strip().lower() == "identity":
-        return raw, None
-    try:
-        return encoding.decode(raw, content_encoding.strip().lower()), None
-    except Exception as exc:
-        return raw, f"body could not be decoded ({content_encoding}): {exc}"
+    """A body the handoff left encoded (journals written before it decoded): the one decoder, whole."""
+    data, _, problem, _ = decode_kept(raw, content_encoding)
+    return data, problem
 
 
 class Ingest:
@@ -70,10 +65,12 @@ class Ingest:
             if kind == "websocket":
                 write = self._turn(call, header, blobs)
             elif kind == "failure":
+                problems = [header.get("error") or "stepmill failed", *(header.get("truncated") or []),
+                            header.get("request_problem"), header.get("response_problem")]
                 write = functools.partial(
-                    recording.save_bare, self.store, call.api, header.get("error") or "stepmill failed",
+                    recording.save_bare, self.store, call.api, "; ".join(p for p in problems if p),
                     started=header.get("started") or 0, transport="http", raw_request=blobs[0],
-                    raw_response=blobs[1] if len(blobs) > 1 else None)
+                    raw_response=blobs[1] if len(blobs) > 1 else None, call=call)
             else:
                 write = self._http(call, header, blobs)
         except Exception as exc:
@@ -92,13 +89,14 @@ class Ingest:
         return recording.save_bare(self.store, call.api, f"stepmill could not read this call: "
                                    f"{type(exc).__name__}: {exc}", started=header.get("started") or 0,
                                    transport=header.get("kind") or "http", raw_request=blobs[0] if blobs else None,
-                                   raw_response=blobs[1] if len(blobs) > 1 else None)
+                                   raw_response=blobs[1] if len(blobs) > 1 else None, call=call)
 
     # -- HTTP and SSE -----------------------------------------------------------------------
     def _http(self, call: Call, header: dict, blobs: list[bytes]) -> Callable[[], str]:
         module = MODULES[call.api]
         raw_request, raw_response = blobs[0], blobs[1] if len(blobs) > 1 else b""
         request_body, problem = decoded(raw_request, header.get("request_encoding"))
+        problem = header.get("request_problem") or problem  # the handoff could not decode it
         request, parse_error = None, problem
         if header.get("websocket_upgrade"):
             parse_error = None  # a refused upgrade: the GET has no body to parse
@@ -116,6 +114,9 @@ class Ingest:
                 # cut before its terminal event is incomplete.
                 completion.status = "incomplete"
                 completion.error = f"{error} (stream cut after {len(raw_response)} bytes)"
+            if header.get("response_problem"):
+                completion.status = "error"
+                completion.error = "; ".join(e for e in (header["response_problem"], completion.error) if e)
             if result.first_output_at:
                 ttft = (result.first_output_at - header["started"]) * 1000
             transport = "sse"
@@ -124,6 +125,7 @@ class Ingest:
             if header.get("response_started"):
                 ttft = (header["response_started"] - header["started"]) * 1000
             body, problem = decoded(raw_response, header.get("response_encoding"))
+            problem = header.get("response_problem") or problem
             status = header.get("http_status")
             if error and status is None:
                 completion = Completion(status="error", error=error)
@@ -141,6 +143,11 @@ class Ingest:
                     completion = recording.parse_response(module, call.api, payload)
             if error and status is not None and completion.status == "ok":
                 completion.status, completion.error = "incomplete", error
+        if header.get("truncated"):  # cut for recording (stepmill_max_body): what was kept is not the whole call
+            cut = "; ".join(header["truncated"])
+            if completion.status == "ok":
+                completion.status = "incomplete"
+            completion.error = f"{cut}; {completion.error}" if completion.error else cut
         completion.notes = list(completion.notes) + notes
 
         def write() -> str:

@@ -70,6 +70,8 @@ def parse_request(module: ModuleType, api: str, raw: bytes) -> tuple[ParsedReque
         body = load_json_object(raw, "request body")
     except ProtocolError as exc:
         return None, None, str(exc)
+    except RecursionError:
+        return None, None, "request body is nested too deeply to parse"
     try:
         return module.parse_request(body, api), body, None
     except Exception as exc:
@@ -163,7 +165,8 @@ def record_call(store: Store, call: Call, request: ParsedRequest | None, parse_e
         if _environmental(exc):
             raise EnvironmentFailure(str(exc)) from exc
         return save_bare(store, call.api, f"stepmill could not read this call: {type(exc).__name__}: {exc}",
-                         started=started, transport=transport, raw_request=raw_request, raw_response=raw_response)
+                         started=started, transport=transport, raw_request=raw_request, raw_response=raw_response,
+                         call=call)
     return save(store, records, call, started=started, transport=transport, raw_request=raw_request,
                 raw_response=raw_response)
 
@@ -196,19 +199,27 @@ def save(store: Store, records: list[StepRecord], call: Call, *, started: float,
             raise EnvironmentFailure(str(exc)) from exc
         problem += f"; keeping what parsed failed too ({type(exc).__name__}: {exc})"
     return save_bare(store, call.api, problem, started=started, transport=transport, raw_request=raw_request,
-                     raw_response=raw_response)
+                     raw_response=raw_response, call=call)
 
 
 def save_bare(store: Store, api: str, problem: str, *, started: float, transport: str,
-              raw_request: bytes | None, raw_response: bytes | None) -> str:
-    """Last resort: depends on nothing the call sent but its raw bytes."""
-    try:
-        store.record_step(StepRecord(api=str(api), transport=transport, status="error", error=redact_text(problem),
-                                     started_at=iso(started), raw_request=redact_bytes(raw_request),
-                                     raw_response=redact_bytes(raw_response)))
-        return "bare"
-    except Exception as exc:
-        if _environmental(exc):
-            raise EnvironmentFailure(str(exc)) from exc
-        log.exception("stepmill: could not record the failure either; the call is lost")
-        return "lost"
+              raw_request: bytes | None, raw_response: bytes | None, call: Call | None = None) -> str:
+    """Last resort: depends on nothing the call sent but its raw bytes, and on who made it (the flow's
+    tags, never the parse) while that can be written; without them if even that fails."""
+    for who in ((call, None) if call is not None else (None,)):
+        try:
+            store.record_step(StepRecord(
+                api=str(api), transport=transport, status="error", error=redact_text(problem),
+                started_at=iso(started), raw_request=redact_bytes(raw_request), raw_response=redact_bytes(raw_response),
+                **({} if who is None else {
+                    "host": who.host, "path": who.path, "headers": who.headers,
+                    "trajectory_id": who.tags.trajectory_id, "group_id": who.tags.group_id,
+                    "channel": who.tags.channel, "default_channel": who.default_channel,
+                    "client_conn": who.client_conn})))
+            return "bare"
+        except Exception as exc:
+            if _environmental(exc):
+                raise EnvironmentFailure(str(exc)) from exc
+            if who is None:
+                log.exception("stepmill: could not record the failure either; the call is lost")
+    return "lost"

@@ -48,6 +48,10 @@ _SHAPES = [re.compile(p) for p in (
     rb"AKIA[0-9A-Z]{16}", rb"AIza[0-9A-Za-z_\-]{30,}", rb"gh[pousr]_[A-Za-z0-9]{20,}", rb"xox[abprs]-[A-Za-z0-9\-]{10,}",
     rb"hf_[A-Za-z0-9]{20,}",
 )]
+# User-info in a URL (``https://user:password@host``, also JSON-escaped ``https:\/\/``): the credential is
+# between the scheme's slashes and an "@" before any "/". Two patterns, each led by a literal (a fast scan).
+_USERINFO = [re.compile(rb"(?P<pre>" + slashes + rb")(?P<value>[^/\\\s@\"'<>?#]{1,512})(?P<post>@)")
+             for slashes in (rb"://", rb":\\/\\/")]
 # The pair patterns are slow on large text (a try at every quote): they run only where one of these
 # endings of a secret's name occurs (a substring search on the lower-cased text, memchr-fast).
 _PAIR_TRIGGERS = (b'key"', b'secret"', b'password"', b'passwd"', b'token"', b'authorization"', b'credential',
@@ -66,11 +70,19 @@ def _pair(match: re.Match) -> bytes:
     return match.group("pre") + REDACTED.encode() + match.group("post")
 
 
+def _userinfo(match: re.Match) -> bytes:
+    return match.group(0) if match.group("value") == REDACTED.encode() else \
+        match.group("pre") + REDACTED.encode() + match.group("post")
+
+
 def _redact_window(data: bytes) -> bytes:
     lowered = data.lower()
     if any(trigger in lowered for trigger in _PAIR_TRIGGERS):
         for pattern in _PAIRS:
             data = pattern.sub(_pair, data)
+    if b"@" in data:
+        for pattern in _USERINFO:
+            data = pattern.sub(_userinfo, data)
     for pattern in _SHAPES:
         if pattern.search(data) is None:
             continue
@@ -109,7 +121,7 @@ def redact_bytes(data: bytes | bytearray | None) -> bytes | None:
     lowered = data.lower()
     pairs = _PAIRS if any(trigger in lowered for trigger in _PAIR_TRIGGERS) else []
     del lowered
-    if not any(_found(pattern, data) for pattern in pairs + _SHAPES):
+    if not any(_found(pattern, data) for pattern in pairs + _USERINFO + _SHAPES):
         return data  # nothing to take out: no copy of a large body
     out, start = [], 0
     while start < len(data):

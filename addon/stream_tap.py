@@ -27,8 +27,10 @@ def decompressor(encoding: str | None) -> Callable[[bytes], bytes] | None:
     encoding = (encoding or "").strip().lower()
     if encoding in ("", "identity"):
         return None
-    if encoding in ("gzip", "deflate", "x-gzip"):
+    if encoding in ("gzip", "x-gzip"):
         return zlib.decompressobj(47).decompress  # 32 + 15: gzip or zlib header, detected
+    if encoding == "deflate":
+        return _Deflate().decompress
     if encoding == "br":
         import brotli  # a mitmproxy dependency
 
@@ -36,6 +38,58 @@ def decompressor(encoding: str | None) -> Callable[[bytes], bytes] | None:
     if encoding == "zstd":
         return _ZstdFrames().decompress
     raise ValueError(f"unsupported content-encoding {encoding!r}")
+
+
+class _Deflate:
+    """``deflate`` is zlib-wrapped by the standard, raw in some servers: told apart by the first bytes."""
+
+    def __init__(self):
+        self.current = None
+        self.head = b""
+
+    def decompress(self, data: bytes) -> bytes:
+        if self.current is None:
+            self.head += data
+            if len(self.head) < 2:
+                return b""
+            zlib_header = self.head[0] & 0x0F == 8 and (self.head[0] << 8 | self.head[1]) % 31 == 0
+            self.current = zlib.decompressobj(47 if zlib_header or self.head[:2] == b"\x1f\x8b" else -15)
+            data, self.head = self.head, b""
+        return self.current.decompress(data)
+
+
+DECODE_SLICE = 1 << 16  # compressed bytes decoded at a time: a small input cannot expand unbounded past a limit
+
+
+def decode_kept(raw: bytes, content_encoding: str | None, marks: list | None = None,
+                limit: int | None = None) -> tuple[bytes, list, str | None, bool]:
+    """Off the loop: a kept body decoded, chunk by chunk as it arrived (``marks``: (end offset, time) per
+    chunk; their offsets become the decoded ones). Returns (data, marks, problem, cut): on a problem, only
+    what decoded before it (undecoded bytes cannot be redacted, so they are never kept); ``cut`` when the
+    decoded body passed ``limit`` and was cut there."""
+    try:
+        decompress = decompressor(content_encoding)
+    except ValueError as exc:
+        return b"", [], f"body could not be decoded: {exc}", False
+    if decompress is None:
+        return raw, list(marks or []), None, False
+    out, kept_marks, start = bytearray(), [], 0
+    try:
+        for end, at in (list(marks) if marks else [(len(raw), None)]):
+            for piece in range(start, end, DECODE_SLICE):
+                out += decompress(raw[piece:min(end, piece + DECODE_SLICE)])
+                if limit and len(out) > limit:
+                    del out[limit:]
+                    kept_marks.append((limit, at))
+                    return bytes(out), kept_marks, None, True
+            kept_marks.append((len(out), at))
+            start = end
+        if start < len(raw):
+            out += decompress(raw[start:])
+    except Exception as exc:
+        return bytes(out[:limit] if limit else out), kept_marks, \
+            f"body could not be decoded ({content_encoding}): {exc}", False
+    return bytes(out), kept_marks, None, False
 
 
 class _ZstdFrames:
@@ -70,12 +124,14 @@ class StreamTap:
     """
 
     def __init__(self, *, rewrite: Callable[[dict], bool] | None = None, markers: tuple[str, ...] = (),
-                 content_encoding: str | None = None):
+                 content_encoding: str | None = None, limit: int | None = None):
         self.rewrite = rewrite
         self.markers = markers
         self.content_encoding = content_encoding
         self.decoder = SSEDecoder()
-        self.raw = bytearray()
+        self.raw = bytearray()  # what is kept for the step: at most ``limit`` bytes; the agent gets every byte
+        self.limit = limit or None
+        self.received = 0
         self.marks: list[tuple[int, float]] = []  # (bytes received so far, time) per chunk
         self.notes: list[str] = []
         self.ended = False
@@ -95,8 +151,10 @@ class StreamTap:
 
     def __call__(self, chunk: bytes) -> list[bytes]:
         if chunk:
-            self.raw += chunk
-            self.marks.append((len(self.raw), time.time()))
+            self.received += len(chunk)
+            if self.limit is None or len(self.raw) < self.limit:  # past it, memory stays flat however long
+                self.raw += chunk if self.limit is None else chunk[:self.limit - len(self.raw)]
+                self.marks.append((len(self.raw), time.time()))
         else:
             self.ended = True
         if not self.rewriting:
@@ -139,37 +197,14 @@ class Assembled:
 def assemble(assembler, raw: bytes, marks: list, content_encoding: str | None) -> Assembled:
     """Off the loop: rebuild the completion from the upstream's bytes, chunk by chunk as they came,
     so the time of the first output event is known. Never raises."""
-    notes: list[str] = []
-    try:
-        decompress = decompressor(content_encoding)
-    except ValueError as exc:
-        decompress, notes = None, [str(exc)]
-        marks = []  # nothing can be decoded
-    decoder, first_output_at, start = SSEDecoder(), None, 0
-    bounds = list(marks) if marks else ([(len(raw), None)] if raw and not notes else [])
-    if decompress is None and not notes:
-        return _assemble_plain(assembler, bytes(raw), bounds)
-    try:
-        for end, at in bounds:
-            data = raw[start:end]
-            start = end
-            if decompress:
-                data = decompress(data)
-            for event in decoder.push(data):
-                _feed(assembler, event, notes)
-            if first_output_at is None and assembler.output_started:
-                first_output_at = at
-        for event in decoder.flush():
-            _feed(assembler, event, notes)
-    except Exception as exc:
-        notes.append(f"stream decoding failed: {exc}")
-    return _finished(assembler, notes, first_output_at)
+    data, marks, problem, _ = decode_kept(bytes(raw), content_encoding, marks)
+    bounds = list(marks) if marks else ([(len(data), None)] if data else [])
+    return _assemble_plain(assembler, data, bounds, [problem] if problem else [])
 
 
-def _assemble_plain(assembler, raw: bytes, bounds: list) -> Assembled:
-    """An uncompressed stream, split at once; the first output event's time is that of the chunk it
+def _assemble_plain(assembler, raw: bytes, bounds: list, notes: list[str]) -> Assembled:
+    """A decoded stream, split at once; the first output event's time is that of the chunk it
     arrived in (the first mark at or past its end)."""
-    notes: list[str] = []
     first_output_at = None
     ends = [end for end, _ in bounds]
     try:

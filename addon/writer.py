@@ -36,6 +36,7 @@ from stepmill.store.journal import Journal, decode_entry, entry_parts, state_key
 from .ingest import Ingest
 from .recording import EnvironmentFailure
 from .secrets import redact_bytes, redact_text
+from .stream_tap import decode_kept
 
 log = logging.getLogger("stepmill")
 
@@ -78,7 +79,8 @@ class Handoff:
 
     def submit(self, header: dict, blobs: list[bytes]) -> None:
         """On the event loop: O(1), no I/O."""
-        size = sum(len(b) for b in blobs)
+        limit = header.get("max_body") or None  # what is kept of a larger body: never dropped for its size
+        size = sum(min(len(b), limit) if limit else len(b) for b in blobs)
         if self.memory + size > self.memory_limit:
             self.dropped += 1  # the journal has refused appends for long: memory is the last bound
             return
@@ -93,8 +95,7 @@ class Handoff:
             while self.queue:
                 batch = list(itertools.islice(self.queue, 256))  # the loop only appends on the right
                 # Secrets never reach the disk, the journal included (a few ms per MB, off the loop).
-                data = [part for header, blobs, _ in batch
-                        for part in entry_parts(redact_header(header), [redact_bytes(blob) for blob in blobs])]
+                data = [part for header, blobs, _ in batch for part in entry_parts(*self.clean(header, blobs))]
                 try:
                     self.journal.append(data)  # one write() for the batch
                 except OSError as exc:
@@ -118,6 +119,45 @@ class Handoff:
                     self.notify()
             if self._stop and not self.queue:
                 return
+
+    @staticmethod
+    def clean(header: dict, blobs: list) -> tuple[dict, list[bytes]]:
+        """Off the loop: what the journal gets of a call. Bodies are cut to ``max_body``, decoded (secrets
+        in a gzip body are only found decoded) and redacted; the header then says they are plain (no
+        encoding), so the writer never decodes them again. The call's own header stays as it came: a
+        batch the journal refused is cleaned again from it."""
+        header = dict(header)
+        if header.get("kind") == "websocket":  # frames: no content-encoding, each bounded by mitmproxy
+            return redact_header(header), [redact_bytes(blob) for blob in blobs]
+        limit = header.get("max_body") or None
+        cuts, out = [], []
+        for index, blob in enumerate(blobs):
+            if index > 1:
+                out.append(redact_bytes(blob))
+                continue
+            role, peer = ("request", "upstream") if index == 0 else ("response", "client")
+            received = max(len(blob), header.get("received") or 0) if index == 1 else len(blob)
+            if limit and len(blob) > limit:
+                blob = blob[:limit]
+            stream = index == 1 and header.get("kind") == "sse"
+            blob, marks, problem, cut_decoded = decode_kept(
+                blob, header.get(f"{role}_encoding"), header.get("marks") if stream else None, limit)
+            header[f"{role}_encoding"] = None  # plain from here on
+            if stream:
+                header["marks"] = marks
+            if problem:
+                header[f"{role}_problem"] = problem
+            if received > (limit or received):
+                cuts.append(f"{role} truncated for recording: stepmill kept the first {limit} of its {received} "
+                            f"bytes (stepmill_max_body); the {peer} got every byte")
+            elif cut_decoded:
+                cuts.append(f"{role} truncated for recording: stepmill kept the first {limit} bytes of its "
+                            f"decoded body (stepmill_max_body); the {peer} got every byte")
+            out.append(redact_bytes(blob))
+        if cuts:
+            header["truncated"] = cuts
+            header["notes"] = list(header.get("notes") or []) + cuts
+        return redact_header(header), out
 
     def close(self, timeout: float = 10.0) -> None:
         self._stop = True

@@ -18,9 +18,12 @@ import contextlib
 import inspect
 import logging
 
-from mitmproxy import addonmanager, addons, exceptions, hooks, master
+from mitmproxy import addonmanager, addons, ctx, exceptions, hooks, master
 from mitmproxy import log as mitmproxy_log
 from mitmproxy.addons import dumper, errorcheck, keepserving, readfile
+from mitmproxy.proxy import events, layer, mode_servers
+from mitmproxy.proxy.layers import modes
+from mitmproxy.proxy.utils import expect
 
 from .addon.capture import StepmillAddon
 
@@ -108,6 +111,31 @@ class LeanLogEvents(mitmproxy_log.LegacyLogEvents):
             super().emit(record)
 
 
+class ControlListener(modes.ReverseProxy):
+    """The top layer of the ``--control-port`` listener (a reverse mode to http://stepmill.local).
+
+    The addon answers every request there, so nothing is dialled first: ReverseProxy under mitmproxy's
+    default ``connection_strategy=eager`` opens the upstream connection as the client connects, and
+    stepmill.local has no address, so the client got an empty reply."""
+
+    @expect(events.Start)
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        self.context.server.address = self.context.client.proxy_mode.address  # as ReverseProxy, never opened
+        self.child_layer = layer.NextLayer(self.context)
+        self._handle_event = self.child_layer.handle_event
+        yield from self.child_layer.handle_event(event)
+
+
+_reverse_top_layer = mode_servers.ReverseInstance.make_top_layer
+
+
+def _top_layer(instance: mode_servers.ReverseInstance, context) -> layer.Layer:
+    stepmill = getattr(ctx.master, "stepmill", None)  # only under this master; other reverse modes as ever
+    if stepmill is not None and stepmill._is_control_mode(instance.mode):
+        return ControlListener(context)
+    return _reverse_top_layer(instance, context)
+
+
 class StepmillMaster(master.Master):
     def __init__(self, opts, event_loop=None, with_termlog: bool = True):
         super().__init__(opts, event_loop=event_loop, with_termlog=False)
@@ -123,7 +151,10 @@ class StepmillMaster(master.Master):
         self.addons.add(*addons.default_addons())
         self.addons.add(dumper.Dumper(), keepserving.KeepServing(), readfile.ReadFileStdin(),
                         errorcheck.ErrorCheck())
-        self.addons.add(StepmillAddon())
+        self.stepmill = StepmillAddon()
+        self.addons.add(self.stepmill)
+        # mitmproxy makes a listener's top layer with no hook in between: the control listener's is ours.
+        mode_servers.ReverseInstance.make_top_layer = _top_layer
 
 
 def run(arguments: list[str]) -> None:

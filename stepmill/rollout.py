@@ -221,12 +221,15 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool, mode: str) -> R
                 if agent.input == "file":
                     Path(workdir, agent.file).write_text(task["prompt"])
             env["STEPMILL_TRAJECTORY"] = trajectory
+            if mode in ("sandbox", "user"):  # a home of its own: agent CLIs write their state there
+                home = run_dir / "home"
+                home.mkdir()
+                env["HOME"] = str(home)
             preexec = die_with_parent
             if mode == "sandbox":
                 command = iso.sandbox_command(command, run_dir=run_dir, private=private,
                                               needs=[Path(white_box_tokenizer)] if agent.entry else [])
             elif mode == "user":
-                env["HOME"] = str(workdir)
                 iso.give_to(run_dir, uid)
                 os.chmod(run_dir, 0o700)
                 switch = iso.become(uid)

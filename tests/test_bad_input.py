@@ -115,3 +115,36 @@ def test_first_event_arrives_before_the_upstream_sends_the_last(proxy, openai_cl
     assert text == f"Echo: {marker}"
     [step] = proxy.steps("s.model = ?", [gate])
     assert step["status"] == "ok" and step["completion"]["content"] == text
+
+
+def test_too_deep_to_parse_keeps_its_trajectory(proxy, marker):
+    """The tags come from the flow, not the parse: a request nested past any parser's depth is an error step
+    of the trajectory it was tagged with (a header here, proxy credentials alike)."""
+    body = b'{"model": "gpt-test", "messages": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    with _client(proxy) as client:
+        client.post("https://api.openai.com/v1/chat/completions", content=body,
+                    headers={"Content-Type": "application/json", "X-Stepmill-Trajectory": f"deep-{marker}",
+                             "X-Stepmill-Group": f"deep-group-{marker}"})
+    [step] = proxy.trajectory_steps(f"deep-{marker}", 1)
+    assert step["status"] == "error" and "nested too deeply" in step["error"]
+    assert step["group_id"] == f"deep-group-{marker}"
+    assert _raw(proxy, step["step_id"])["raw_request"] == body
+
+
+@pytest.mark.parametrize("kind", ["failure", "http"])
+def test_every_fallback_keeps_the_flows_tags(tmp_path, kind):
+    """A hook that failed (``failure``) and a call the writer could not read at all (an api it has no
+    parser for) are bare error steps, still of the trajectory and group the flow was tagged with."""
+    from stepmill.addon.ingest import Ingest, call_header
+    from stepmill.addon.recording import Call
+    from stepmill.addon.tagging import Tags
+    from stepmill.store import Store
+
+    store = Store(tmp_path / "steps.db")
+    call = Call(api="openai.chat" if kind == "failure" else "no.such.api", host="h", path="/v1/chat/completions",
+                tags=Tags("t-fallback", "g-fallback", None))
+    assert Ingest(store).handle({"kind": kind, **call_header(call), "started": time.time(), "error": "boom"},
+                                [b"{}", b""]) == "bare"
+    [row] = store.query("SELECT trajectory_id, group_id, status FROM steps")
+    assert (row["trajectory_id"], row["group_id"], row["status"]) == ("t-fallback", "g-fallback", "error")
+    store.close()

@@ -98,8 +98,10 @@ def test_writer_priority(tmp_path, priority):
                    what=f"{priority} scheduling policy")
         time.sleep(0.5)  # and it stays so
         assert (os.sched_getscheduler(writer), os.getpriority(os.PRIO_PROCESS, writer)) == (expected, nice)
-        status, health = http_json("GET", "http://stepmill.local/v1/health", proxy=f"http://127.0.0.1:{port}")
-        assert status == 200 and health["capture"]["writer_priority"] == priority
+        from stepmill.client import StepmillClient
+
+        health = StepmillClient(proxy=f"http://127.0.0.1:{port}", confdir=str(tmp_path / "mitm")).health()
+        assert health["capture"]["writer_priority"] == priority
     finally:
         stop(process)
 
