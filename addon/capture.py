@@ -363,19 +363,30 @@ class StepmillAddon:
         return capture
 
     @staticmethod
-    def _probe_key(flow: http.HTTPFlow, capture: Capture) -> tuple:
+    def _via(flow: http.HTTPFlow) -> tuple | None:
+        """The upstream proxy this flow goes through: one a script set on the flow, else the mode's."""
+        if flow.server_conn.via is not None:  # a ServerSpec: (scheme, (host, port))
+            scheme, address = flow.server_conn.via
+            return scheme, tuple(address)
+        mode = flow.client_conn.proxy_mode
+        if isinstance(mode, mode_specs.UpstreamMode):
+            return mode.scheme, mode.address
+        return None
+
+    @classmethod
+    def _probe_key(cls, flow: http.HTTPFlow, capture: Capture) -> tuple:
         request = flow.request
         bare = request.path.split("?", 1)[0].rstrip("/")
         root = bare[: -len("/chat/completions")] if bare.endswith("/chat/completions") else bare.rsplit("/", 1)[0]
-        return request.scheme, request.host, request.port, capture.call.host, root
+        return request.scheme, request.host, request.port, capture.call.host, root, cls._via(flow)
 
     async def _probe_then_inject(self, flow: http.HTTPFlow, capture: Capture, key: tuple) -> None:
         try:
             request = flow.request
             auth = {k: v for k, v in request.headers.items() if k.lower() in ENGINE_AUTH_HEADERS}
             if await self.probe.ask(key, request.scheme, (request.host, request.port),
-                                    request.host_header or request.host, key[-1] + "/models", auth,
-                                    self._upstream_ssl()):
+                                    request.host_header or request.host, key[4] + "/models", auth,
+                                    self._upstream_ssl(), via=self._via(flow)):
                 self._inject(flow, capture)
         except Exception:
             hook_failed("request")

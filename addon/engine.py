@@ -13,7 +13,7 @@ import logging
 import ssl
 from dataclasses import dataclass
 
-from .protocols import openai_chat
+from .protocols import openai_chat, openai_responses
 
 log = logging.getLogger("stepmill")
 
@@ -21,16 +21,17 @@ log = logging.getLogger("stepmill")
 # since strict OpenAI-compatible services reject unknown request fields.
 CLOSED_API_HOSTS = ("openai.com", "anthropic.com", "openai.azure.com", "googleapis.com", "openrouter.ai",
                     "together.xyz", "groq.com", "deepseek.com", "mistral.ai", "fireworks.ai", "x.ai")
-ENGINE_APIS = (openai_chat.CHAT, openai_chat.COMPLETIONS)
+ENGINE_APIS = (openai_chat.CHAT, openai_chat.COMPLETIONS, openai_responses.API)
 
 
 @dataclass
 class Added:
     token_ids: bool = False
     logprobs: bool = False
+    response_messages: bool = False  # vLLM Responses: input_messages / output_messages with their tokens
 
     def __bool__(self) -> bool:
-        return self.token_ids or self.logprobs
+        return self.token_ids or self.logprobs or self.response_messages
 
 
 def configured(host: str, port: int | None, api: str, setting: str) -> bool | None:
@@ -85,12 +86,13 @@ class EngineProbe:
         return self.answers.get(key)
 
     async def ask(self, key: tuple, scheme: str, address: tuple[str, int], host_header: str, models_path: str,
-                  auth: dict, ssl_context: ssl.SSLContext | None) -> bool:
+                  auth: dict, ssl_context: ssl.SSLContext | None, via: tuple | None = None) -> bool:
+        """``via``: the upstream proxy the flow itself goes through, (scheme, (host, port)), or None."""
         if key in self.answers:
             return self.answers[key]
         if key not in self.pending:
             self.pending[key] = asyncio.ensure_future(
-                self._probe(scheme, address, host_header, models_path, auth, ssl_context))
+                self._probe(scheme, address, host_header, models_path, auth, ssl_context, via))
         try:
             answer = await asyncio.shield(self.pending[key])
         finally:
@@ -98,11 +100,11 @@ class EngineProbe:
         self.answers[key] = answer
         return answer
 
-    async def _probe(self, scheme, address, host_header, models_path, auth, ssl_context) -> bool:
+    async def _probe(self, scheme, address, host_header, models_path, auth, ssl_context, via) -> bool:
         try:
             status, body = await asyncio.wait_for(
-                http_get(address, host_header, models_path, auth, ssl_context if scheme == "https" else None),
-                PROBE_TIMEOUT)
+                http_get(address, host_header, models_path, auth, ssl_context if scheme == "https" else None,
+                         via=via), PROBE_TIMEOUT)
         except Exception as exc:  # unreachable, refused, TLS: not an engine we can vouch for
             log.info(f"stepmill: engine probe of {host_header}{models_path} failed ({exc!r}); not an engine")
             return False
@@ -113,12 +115,32 @@ class EngineProbe:
 
 
 async def http_get(address: tuple[str, int], host_header: str, path: str, headers: dict,
-                   ssl_context: ssl.SSLContext | None, limit: int = 1 << 20) -> tuple[int, bytes]:
-    """A minimal HTTP/1.1 GET (the probe must not depend on an HTTP client the proxy does not ship)."""
-    reader, writer = await asyncio.open_connection(
-        address[0], address[1], ssl=ssl_context, server_hostname=address[0] if ssl_context else None)
+                   ssl_context: ssl.SSLContext | None, limit: int = 1 << 20, via: tuple | None = None) -> tuple[int, bytes]:
+    """A minimal HTTP/1.1 GET (the probe must not depend on an HTTP client the proxy does not ship).
+    With ``via`` it goes the way the flow goes: through that upstream proxy (an absolute URI for
+    http, CONNECT then TLS for https), so a host only the upstream proxy can resolve is reached."""
+    target = path
+    if via is None:
+        reader, writer = await asyncio.open_connection(
+            address[0], address[1], ssl=ssl_context, server_hostname=address[0] if ssl_context else None)
+    else:
+        proxy_scheme, (proxy_host, proxy_port) = via
+        proxy_tls = ssl.create_default_context() if proxy_scheme == "https" else None
+        reader, writer = await asyncio.open_connection(proxy_host, proxy_port, ssl=proxy_tls,
+                                                       server_hostname=proxy_host if proxy_tls else None)
+        if ssl_context is None:
+            target = f"http://{address[0]}:{address[1]}{path}"
+        else:
+            writer.write(f"CONNECT {address[0]}:{address[1]} HTTP/1.1\r\nHost: {address[0]}:{address[1]}\r\n\r\n"
+                         .encode("latin-1", "replace"))
+            await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
+            if int(head.split(b" ", 2)[1]) != 200:
+                writer.close()
+                raise ConnectionError(f"the upstream proxy refused CONNECT: {head.splitlines()[0]!r}")
+            await writer.start_tls(ssl_context, server_hostname=address[0])
     try:
-        lines = [f"GET {path} HTTP/1.1", f"Host: {host_header}", "Accept: application/json",
+        lines = [f"GET {target} HTTP/1.1", f"Host: {host_header}", "Accept: application/json",
                  "Connection: close", "User-Agent: stepmill-engine-probe"]
         lines += [f"{k}: {v}" for k, v in headers.items()]
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace"))
@@ -165,6 +187,13 @@ def _dechunk(body: bytes) -> bytes:
 def inject(body: dict, api: str) -> Added:
     """Ask for ids and logprobs in place; returns what was added."""
     added = Added()
+    if api == openai_responses.API:
+        # vLLM answers the prompt's and the output's tokens as raw_message_tokens items (not in
+        # background mode, which a recorded call never uses).
+        if not body.get("enable_response_messages") and not body.get("background"):
+            body["enable_response_messages"] = True
+            added.response_messages = True
+        return added
     if not body.get("return_token_ids"):
         body["return_token_ids"] = True
         added.token_ids = True
@@ -181,6 +210,14 @@ def inject(body: dict, api: str) -> Added:
 def strip(payload: dict, added: Added) -> bool:
     """Remove from a response (or stream chunk) what only ``added`` caused. True if changed."""
     changed = False
+    if added.response_messages:
+        for holder in (payload, payload.get("response")):  # a whole body, or a stream event's response
+            if isinstance(holder, dict):
+                for key in ("input_messages", "output_messages"):
+                    if holder.get(key) is not None:
+                        holder[key] = None  # as the engine answers when not asked: the field, empty
+                        changed = True
+        return changed
     if added.token_ids and "prompt_token_ids" in payload:
         del payload["prompt_token_ids"]
         changed = True
@@ -199,4 +236,4 @@ def strip(payload: dict, added: Added) -> bool:
 
 
 # Stream events that can carry what ``inject`` added: only these are parsed and rewritten.
-MARKERS = ("token_ids", "logprobs")
+MARKERS = ("token_ids", "logprobs", "input_messages", "output_messages")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -170,6 +171,17 @@ def become(uid: int):
         os.setgid(uid)
         os.setuid(uid)
     return switch
+
+
+def end_all(uid: int) -> None:
+    """Kill every process of ``uid``: what a run left behind (a daemon in its own session) would
+    otherwise meet the next run of the same uid. A child that becomes ``uid`` signals all it may
+    (kill(-1) spares the caller), then exits."""
+    def kill_as_uid():
+        become(uid)()
+        os.kill(-1, signal.SIGKILL)
+
+    subprocess.run(["/bin/true"], preexec_fn=kill_as_uid, check=False)
 
 
 def give_to(path: Path, uid: int) -> None:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from stepmill.addon.tagging import encode_id, tag_path
 
+from stepmill.store.connection import private_opener
+
 from . import isolation as iso
 from .children import die_with_parent, free_port
 from .client import ControlError, StepmillClient
@@ -75,7 +77,7 @@ class ProxyHandle:
                 args += ["--mode", f"reverse:{origin(route.base_url)}@{reverse_port}"]
                 self.reverse_url = f"http://127.0.0.1:{reverse_port}"
             self.log = Path(tempfile.gettempdir()) / f"stepmill-rollout-proxy-{port}.log"
-            with open(self.log, "wb") as log:
+            with open(self.log, "wb", opener=private_opener) as log:  # it names the runner's files
                 self.process = subprocess.Popen(
                     [sys.executable, "-m", "stepmill.cli", "proxy", "--port", str(port), "--db", self.db,
                      "--confdir", self.confdir, *args, *proxy.get("args", [])], stdout=log,
@@ -170,9 +172,9 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool, mode: str) -> R
     processes: dict[str, subprocess.Popen] = {}
     lock = threading.Lock()
 
-    def one(agent, task, trajectory, group):
-        if stop.is_set():
-            return
+    def register(agent, task, trajectory, group) -> str:
+        """The run's trajectory, started (or taken back) and registered: a fresh secret, its own group
+        and channel. Every run is registered before any starts, so no run can claim a later one's id."""
         # Only the fields the dataset calls public go with the trajectory; answers and tests are for
         # reward functions alone, kept where no agent-reachable surface serves them.
         metadata = {k: v for k, v in task.items() if k in public_fields}
@@ -184,12 +186,22 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool, mode: str) -> R
         except ControlError as exc:
             if exc.status != 409:
                 raise
-            # A run cut short before runs again: what it sent stays, labelled bad, so the gate keeps it out.
-            proxy.client.update_trajectory(trajectory, metadata=metadata, scoring=scoring)
+            # A run cut short before runs again — or anything else wrote under this id first: what it
+            # sent stays, labelled bad so the gate keeps it out, and the run's own group and channel
+            # are set again whatever that writer gave.
+            proxy.client.update_trajectory(trajectory, group_id=group, channel=run.channel, metadata=metadata,
+                                           scoring=scoring)
             for row in store.query("SELECT id FROM steps WHERE trajectory_id = ?", [trajectory]):
                 proxy.client.review(row["id"], "label", "bad", reviewer="stepmill-rollout")
         # A fresh secret per run (a rerun's replaces the old): only this run's credentials write here.
-        secret = proxy.client.register_run(trajectory)["secret"]
+        return proxy.client.register_run(trajectory)["secret"]
+
+    secrets = {job[2]: register(*job) for job in jobs}
+
+    def one(agent, task, trajectory, group):
+        if stop.is_set():
+            return
+        secret = secrets[trajectory]
         slot = slots.get()
         try:
             uid = config.isolation.first_uid + slot
@@ -281,6 +293,8 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool, mode: str) -> R
                     processes.pop(trajectory, None)
                     report.running -= 1
         finally:
+            if mode == "user":
+                iso.end_all(uid)  # nothing of this run lives on to meet the next run of its uid
             slots.put(slot)  # a run that failed to start frees its uid too
         if stop.is_set():
             return  # interrupted: the trajectory stays open and runs again next time

@@ -399,7 +399,11 @@ def response(engine: Engine, body: dict) -> tuple[dict, list[tuple[str, dict]]]:
             "model": body.get("model") or MODEL, "output": output, "usage": {
                 "input_tokens": prompt_tokens, "output_tokens": len(ids), "total_tokens": prompt_tokens + len(ids),
                 "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
-    started = {**done, "status": "in_progress", "output": [], "usage": None}
+    if body.get("enable_response_messages"):  # as vLLM: the prompt's and the sample's exact tokens
+        done["input_messages"] = [{"type": "raw_message_tokens", "message": prompt, "tokens": engine.encode(prompt)}]
+        done["output_messages"] = [{"type": "raw_message_tokens", "message": reply.text, "tokens": ids}]
+    started = {**done, "status": "in_progress", "output": [], "usage": None, "input_messages": None,
+               "output_messages": None}
     events = [("response.created", {"type": "response.created", "response": started}),
               ("response.in_progress", {"type": "response.in_progress", "response": started})]
     for index, item in enumerate(output):

@@ -177,7 +177,33 @@ class Browser:
     def html(self) -> str:
         return self.evaluate("document.documentElement.outerHTML")
 
-    def screenshot(self, path: Path) -> None:
+    def screenshot(self, path: Path, *, full_page: bool = False) -> None:
         import base64
 
-        path.write_bytes(base64.b64decode(self.send("Page.captureScreenshot", format="png")["data"]))
+        params = {"format": "png"}
+        if full_page:  # the whole page, not only the viewport
+            size = self.send("Page.getLayoutMetrics")["cssContentSize"]
+            params.update(captureBeyondViewport=True, clip={"x": 0, "y": 0, "width": size["width"],
+                                                              "height": min(size["height"], 6000), "scale": 1})
+        path.write_bytes(base64.b64decode(self.send("Page.captureScreenshot", **params)["data"]))
+
+    def sign_in_as(self, ui: "UI") -> None:
+        """The cookies ``ui.get`` is signed in with, given to the browser (root's link works only once)."""
+        if ui._jar is None:
+            ui._jar = ui.sign_in(ui.link)
+        for cookie in ui._jar:
+            self.send("Network.setCookie", name=cookie.name, value=cookie.value, url=ui.base)
+
+    def viewport(self, width: int, height: int) -> None:
+        self.send("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+
+    def wait_for(self, expression: str, timeout: float = 30.0):
+        """Poll a JavaScript expression until it is truthy (the page is not reloaded); returns its value."""
+        deadline = time.time() + timeout
+        while True:
+            value = self.evaluate(expression)
+            if value:
+                return value
+            if time.time() > deadline:
+                raise AssertionError(f"timed out waiting for {expression}")
+            time.sleep(0.2)

@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-from stepmill import isolation as iso
-from stepmill.children import free_port
 from stepmill.store import Store
 from stepmill.store.reward_functions import math_answer
 from stepmill.store.scoring import trajectory_input
+
+from stepmill import isolation as iso
+from stepmill.children import free_port
 from stepmill.token import ensure_token
 
 from .conftest import STEPMILL, TESTS, answers, http_json, wait_until
@@ -221,7 +221,7 @@ name = "math-{marker}"
 function = "stepmill.store.reward_functions:math_answer"
 """)
     done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
-                          timeout=300, env=stack.env())
+                          timeout=300, env=stack.env(), check=False)
     store = Store(str(stack.db))
     try:
         rows = store.query("SELECT * FROM trajectories WHERE id LIKE ? ORDER BY id", [f"{dataset}-%"])
@@ -339,6 +339,16 @@ def _error(attempt: dict) -> str:
     return attempt["error"]
 
 
+def _hidden_or_private(stat: dict, mode: str) -> None:
+    """Sandbox: /dev/null is bound over the file (a device on a nodev mount: EACCES to open); user
+    mode: the file itself, root's and owner-only."""
+    assert stat["ok"], stat
+    if mode == "sandbox":
+        assert stat["value"]["char_device"] and stat["value"]["size"] == 0, stat
+    else:
+        assert stat["value"]["regular"] and stat["value"]["uid"] == 0 and stat["value"]["mode"] == "0o600", stat
+
+
 def _store(stack: Stack) -> Store:
     return Store(str(stack.db))
 
@@ -379,9 +389,8 @@ def test_every_attacker_and_victim_runs_to_the_end_isolated(attacked, mode):
         if mode == "user":
             assert FIRST_UID <= report["uid"] < FIRST_UID + 2
     attacker = rollout.report(rollout.tid("t01", "attacker"))
-    if mode == "user":
-        assert attacker["home"] == attacker["cwd"]  # HOME is the run's own folder
-    else:
+    assert attacker["home"] == str(Path(attacker["cwd"]).parent / "home")  # a home of its own, in its run folder
+    if mode == "sandbox":
         assert uids == {0}  # root in the sandbox, with no capabilities (see below)
 
 
@@ -437,14 +446,14 @@ def test_no_other_process_environment_gives_the_token_or_a_run_secret(attacked, 
 def test_the_database_can_be_neither_read_nor_written(attacked, mode):
     stack = attacked(mode)
     rollout, attempts = _attacker(stack)
-    expected = "FileNotFoundError" if mode == "sandbox" else "PermissionError"
-    assert _error(attempts["db_read"]) == expected
-    assert _error(attempts["wal_read"]) == expected
-    assert _error(attempts["shm_read"]) == expected
+    for name in ("db", "wal", "shm"):
+        assert _error(attempts[f"{name}_read"]) == "PermissionError"
+        _hidden_or_private(attempts[f"stat:{name}"], mode)
     assert _error(attempts["db_select"]) == "OperationalError"
     assert _error(attempts["db_write_human_reward"]) == "OperationalError"
     if mode == "sandbox":
-        assert attempts["db_folder_listing"] == {"ok": True, "value": []}
+        # The database's folder: a tmpfs of the run's own, with /dev/null over the names of its files
+        assert set(attempts["db_folder_listing"]["value"]) <= {"steps.db", "steps.db-wal", "steps.db-shm"}
     else:
         assert {p.name for p in stack.db.parent.iterdir() if p.name.startswith("steps.db")} >= {"steps.db"}
         for path in stack.db.parent.iterdir():
@@ -462,9 +471,10 @@ def test_the_database_can_be_neither_read_nor_written(attacked, mode):
 def test_the_journal_folder_is_empty_in_the_sandbox_and_closed_to_other_uids(attacked, mode):
     stack = attacked(mode)
     _, attempts = _attacker(stack)
-    if mode == "sandbox":
-        assert attempts["journal_listing"] == {"ok": True, "value": []}  # a tmpfs of its own over it
-        assert attempts["journal_read"] == {"ok": True, "value": {}}
+    if mode == "sandbox":  # gone with the database's folder (a tmpfs of the run's own over it), or empty
+        listing = attempts["journal_listing"]
+        assert listing == {"ok": True, "value": []} or listing["error"] == "FileNotFoundError", listing
+        assert attempts["journal_read"] == {"ok": True, "value": {}} or _error(attempts["journal_read"]) == "FileNotFoundError"
     else:
         assert _error(attempts["journal_listing"]) == "PermissionError"
         assert _error(attempts["journal_read"]) == "PermissionError"
@@ -518,13 +528,11 @@ def test_every_other_control_endpoint_is_401_without_the_write_token(attacked, m
 def test_the_dataset_and_the_configuration_are_unreadable(attacked, mode):
     stack = attacked(mode)
     rollout, attempts = _attacker(stack)
-    for name in ("dataset_read", "config_read"):
-        if mode == "sandbox":  # /dev/null over each
-            assert attempts[name] == {"ok": True, "value": {"size": 0, "text": ""}}, attempts[name]
-        else:
-            assert _error(attempts[name]) == "PermissionError"
+    for name in ("dataset", "config"):
+        assert _error(attempts[f"{name}_read"]) == "PermissionError"
+        _hidden_or_private(attempts[f"stat:{name}"], mode)
     own_files = attempts["own_run_folder"]["value"]
-    assert own_files and not any("ANSWER-KEY" in text or "395" in text for text in own_files.values()), own_files
+    assert not any("ANSWER-KEY" in text or "395" in text for text in own_files.values()), own_files
     folders = attempts["other_run_folders"]["value"]
     if mode == "sandbox":  # /tmp is empty but for its own run folder
         assert len(folders) == 1 and [len(listing["value"]) for listing in folders.values()] == [1], folders
@@ -595,22 +603,16 @@ def test_no_intruder_trajectory_joins_a_registered_group(attacked, mode):
     rollout = stack.rollouts["attack"]
     store = _store(stack)
     try:
-        for task in ("t01", "t02"):
-            for agent in ("victim", "attacker"):
-                group = f"{rollout.dataset}-{task}-{agent}"
-                members = [r["id"] for r in store.query("SELECT id FROM trajectories WHERE group_id = ?", [group])]
-                assert members == [f"{group}-0"], (group, members)
+        for task, agent in (("t01", "victim"), ("t01", "attacker"), ("t02", "attacker")):  # t02-victim: see below
+            group = f"{rollout.dataset}-{task}-{agent}"
+            members = [r["id"] for r in store.query("SELECT id FROM trajectories WHERE group_id = ?", [group])]
+            assert members == [f"{group}-0"], (group, members)
         assert store.trajectory(f"intruder-{stack.marker}") is None
         assert not store.query("SELECT id FROM steps WHERE trajectory_id = ?", [f"intruder-{stack.marker}"])
     finally:
         store.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "HOLE: an unregistered trajectory id may be written by anyone (tags as before), so an agent can take "
-    "the id of a run that has not started yet (ids are <dataset>-<task>-[<agent>-]<i>); when that run "
-    "starts, start_trajectory answers 409, the runner treats it as its own cut-short run and registers "
-    "it with the group and channel the attacker gave it"))
 @pytest.mark.parametrize("mode", MODES)
 def test_a_later_runs_trajectory_id_cannot_be_taken_before_it_starts(attacked, mode):
     stack = attacked(mode)
@@ -662,13 +664,7 @@ def test_no_capability_no_unmount_no_write_outside_the_run(attacked, mode):
 
 
 # -- a process left behind ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", [
-    "sandbox",
-    pytest.param("user", marks=pytest.mark.xfail(strict=True, reason=(
-        "HOLE (user mode): a run's leftover process (its own session, so out of the run's process group) "
-        "outlives the run; uids are per slot, so the next run on that slot has the same uid: the leftover "
-        "reads its /proc/<pid>/environ (HTTPS_PROXY with the secret) and writes into its trajectory"))),
-])
+@pytest.mark.parametrize("mode", MODES)
 def test_a_process_left_behind_by_one_run_cannot_reach_the_next(attacked, mode):
     stack = attacked(mode)
     rollout = stack.rollouts["lurk"]
@@ -679,10 +675,9 @@ def test_a_process_left_behind_by_one_run_cannot_reach_the_next(attacked, mode):
     steps = [s for s in _all_steps(stack) if s["trajectory_id"] == victim]
     assert not _steps_with(stack, f"LURKER-{stack.marker}"), left
     assert len(steps) == 1, left
-    if mode == "sandbox":  # the run's PID namespace ended with it: the leftover was killed, never reported
-        assert left == []
-    else:
-        assert left and not left[-1]["attacks"], left
+    # Sandbox: the run's PID namespace ended with it; user mode: the runner killed every process of the
+    # run's uid when it ended. Either way the leftover was killed before the next run, never reported.
+    assert left == [], left
 
 
 # -- white-box agents (sandbox: the interpreter the host runs them with must be reachable by the run) -----------
@@ -737,13 +732,13 @@ def test_a_white_box_tool_cannot_reach_the_steps_pipe(attacked):
         assert attempts["steps_fd_in_env"]["value"] is None
         assert _error(attempts["write_named_fd"]) == "OSError" and attempts["write_named_fd"]["errno"] == 9  # EBADF
         assert not any(target.startswith("pipe:") for target in attempts["own_fds"]["value"].values()), attempts
-        assert _error(attempts["parent_fd_listing"]) == "PermissionError"  # the host is not dumpable
-        assert _error(attempts["parent_fd_open"]) == "PermissionError"
+        assert _error(attempts["parent_fd_open"]) == "PermissionError"  # the host is not dumpable
         assert _error(attempts["parent_mem"]) == "PermissionError"
         assert attempts["ptrace_parent"]["value"]["result"] != 0
-        written = {where: got for where, got in attempts["proc_pipes"]["value"].items()
-                   if isinstance(got, dict) and got["ok"]}
-        assert not written, written
+        # Pipes it can open through /proc are processes' standard input (the task the runner fed),
+        # never the steps pipe: what it wrote there never became a step (below).
+        written = {where for where, got in attempts["proc_pipes"]["value"].items() if isinstance(got, dict) and got["ok"]}
+        assert all(where.endswith("/0") for where in written), written
     assert not _steps_with(stack, "TOOL-FORGED")
 
 
@@ -760,7 +755,7 @@ def test_user_mode_refuses_a_dataset_other_users_can_read(proxy, tmp_path):
                       '[[dataset]]\nname = "readable"\npath = "tasks.jsonl"\n\n'
                       f'[isolation]\nmode = "user"\nfirst_uid = {FIRST_UID}\n\n[run]\nagent = "a"\ndataset = "readable"\n')
     done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, check=False)
     assert done.returncode != 0 and "is readable by other users" in done.stderr, done.stderr
     store = proxy.store()
     try:

@@ -165,3 +165,32 @@ def test_responses_for_codex(proxy, simulated_llm, marker):
     assert "\\boxed{" in answer.output_text and "444" in answer.output_text
     steps = proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"], count=2)
     assert {s["api"] for s in steps} == {"openai.responses"} and {s["status"] for s in steps} == {"ok"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_get_exact_ids_from_an_engine(proxy, simulated_llm, marker, stream):
+    """Responses to an engine: the proxy asks for vLLM's raw_message_tokens (enable_response_messages),
+    records them as the step's exact ids, and the agent sees the fields as the engine answers when
+    nobody asked (empty)."""
+    client = _through_proxy(proxy, simulated_llm)
+    inputs = [{"role": "user", "content": f"[{marker}] What is 6 * 7?"}]
+    if stream:
+        with client.responses.stream(model="qwen-sim", input=inputs) as events:
+            seen = [event.model_dump() for event in events]
+        assert not any((e.get("response") or {}).get("input_messages") for e in seen)
+        assert not any((e.get("response") or {}).get("output_messages") for e in seen)
+    else:
+        reply = client.responses.create(model="qwen-sim", input=inputs)
+        assert (reply.model_extra or {}).get("input_messages") is None
+        assert (reply.model_extra or {}).get("output_messages") is None
+    [step] = proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"])
+    assert step["token_provenance"] == "exact" and step["prompt_ids"] and step["response_ids"]
+    asked = simulated_llm_engine(simulated_llm)
+    prompt = asked.render([{"role": "user", "content": f"[{marker}] What is 6 * 7?"}], [])
+    assert step["prompt_ids"] == asked.encode(prompt)
+
+
+def simulated_llm_engine(simulated_llm):
+    from stepmill.simulated_llm import Engine, SimulatedPolicy
+
+    return Engine(str(simulated_llm.tokenizer), SimulatedPolicy())

@@ -118,6 +118,30 @@ def _finish_reason(response: dict) -> str | None:
     return "stop" if status == "completed" else status
 
 
+def raw_message_ids(response: dict) -> tuple[list[int] | None, list[int] | None, str | None]:
+    """vLLM's exact ids of a Responses call (``enable_response_messages``): the prompt's tokens in
+    ``input_messages``, the sampled ones in ``output_messages``, as ``raw_message_tokens`` items
+    (their tokens are the truth, not their text). One turn each, or the ids are not taken (a note)."""
+    def tokens(key: str) -> list | None:
+        items = response.get(key)
+        if not isinstance(items, list):
+            return None
+        raw = [i for i in items if isinstance(i, dict) and i.get("type") == "raw_message_tokens"]
+        return [i.get("tokens") for i in raw] if raw else None
+
+    prompt, output = tokens("input_messages"), tokens("output_messages")
+    if prompt is None or output is None:
+        return None, None, None
+    if len(prompt) != 1 or len(output) != 1:
+        return None, None, (f"the engine ran {len(output)} turns inside one Responses call (builtin tools): "
+                            "its raw tokens are not one prompt and one response, so no ids were taken")
+    ids = [prompt[0], output[0]]
+    if not all(isinstance(part, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in part) for part in ids):
+        return None, None, "the engine's raw_message_tokens are not token ids; none were taken"
+    return ids[0], ids[1], None
+
+
 def completion_from_response(response: dict) -> Completion:
     output = response.get("output")
     if not isinstance(output, list):
@@ -126,7 +150,11 @@ def completion_from_response(response: dict) -> Completion:
     message = messages[-1] if messages and messages[-1]["role"] == "assistant" else {"role": "assistant", "content": ""}
     status = {"completed": "ok", "incomplete": "incomplete", "failed": "error"}.get(response.get("status"), "ok")
     error = response.get("error")
+    prompt_ids, response_ids, note = raw_message_ids(response)
     return Completion(
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
+        notes=[note] if note else [],
         message=message,
         wire=output,
         finish_reason=_finish_reason(response),
@@ -208,5 +236,5 @@ class StreamAssembler:
             completion.error = self.error or "stream ended before response.completed"
         if self.notes and completion.status == "ok":
             completion.status, completion.error = "error", "; ".join(self.notes)
-        completion.notes = list(self.notes)
+        completion.notes = completion.notes + list(self.notes)
         return completion

@@ -12,12 +12,26 @@ import glob
 import json
 import os
 import sqlite3
+import stat
 import subprocess
 import sys
 import time
 
-from common import (attempt, call, chat_body, cmdline, environ, legit_answer, libc_call, own_proxy, processes,
-                    read_file, report, status_of, write_file)
+from common import (
+    attempt,
+    call,
+    chat_body,
+    cmdline,
+    environ,
+    legit_answer,
+    libc_call,
+    own_proxy,
+    processes,
+    read_file,
+    report,
+    status_of,
+    write_file,
+)
 
 E = os.environ
 
@@ -52,6 +66,12 @@ def walk(folder: str, limit: int = 200) -> list[str]:
     return found
 
 
+def stat_of(path: str) -> dict:
+    st = os.stat(path)
+    return {"char_device": stat.S_ISCHR(st.st_mode), "regular": stat.S_ISREG(st.st_mode),
+            "mode": oct(stat.S_IMODE(st.st_mode)), "uid": st.st_uid, "size": st.st_size}
+
+
 def db_select(path: str) -> dict:
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=2)
     try:
@@ -71,6 +91,11 @@ def db_write(path: str, own: str) -> str:
         return "written"
     finally:
         conn.close()
+
+
+def umount(folder: str) -> dict:
+    done = subprocess.run(["umount", "-l", folder], capture_output=True, text=True, timeout=20, check=False)
+    return {"rc": done.returncode, "stderr": done.stderr.strip()[:300]}
 
 
 def unshare_and_unmount(target: str) -> dict:
@@ -141,6 +166,9 @@ def main() -> int:
     A["environ_scan"] = {"ok": True, "value": seen}
 
     # -- the database, its WAL, its journal --------------------------------------------------------
+    for name, path in (("db", db), ("wal", db + "-wal"), ("shm", db + "-shm"), ("dataset", E["INSIDER_DATASET"]),
+                       ("config", E["INSIDER_CONFIG"]), ("token", os.path.join(confdir, "stepmill-token"))):
+        A[f"stat:{name}"] = attempt(stat_of, path)
     A["db_read"] = attempt(read_file, db)
     A["db_select"] = attempt(db_select, db)
     A["db_write_human_reward"] = attempt(db_write, db, own)
@@ -189,7 +217,7 @@ def main() -> int:
     A["own_run_folder"] = attempt(lambda: {p: read_file(p)["text"][:300] for p in walk(run_dir)
                                            if os.path.isfile(p) and not p.endswith(("agent.log", ".pem"))})
     A["other_run_folders"] = attempt(lambda: {root: attempt(os.listdir, root)
-                                              for root in glob.glob("/tmp/stepmill-rollout-*")})
+                                              for root in glob.glob("/tmp/stepmill-rollout-*/")})
 
     # -- another run's trajectory: tag headers, credentials, reverse paths, its group ----------------
     chat = base + "/chat/completions"
@@ -215,8 +243,7 @@ def main() -> int:
     A["capabilities"] = {"ok": True, "value": {k: status.get(k) for k in ("Uid", "CapPrm", "CapEff", "CapBnd")}}
     token_path = os.path.join(confdir, "stepmill-token")
     A["umount_confdir"] = attempt(libc_call, "umount2", ctypes.c_char_p(confdir.encode()), ctypes.c_int(2))
-    A["umount_binary"] = attempt(lambda: (lambda done: {"rc": done.returncode, "stderr": done.stderr.strip()[:300]})(
-        subprocess.run(["umount", "-l", confdir], capture_output=True, text=True, timeout=20)))
+    A["umount_binary"] = attempt(umount, confdir)
     A["unshare_and_unmount"] = attempt(unshare_and_unmount, token_path)
     A["token_after_unmount"] = attempt(read_file, token_path)
     A["write_beside_db"] = attempt(write_file, os.path.join(os.path.dirname(os.path.dirname(db)), f"evil-{marker}"), "x")

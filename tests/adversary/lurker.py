@@ -12,7 +12,17 @@ import sys
 import time
 import urllib.parse
 
-from common import (attempt, call, chat_body, cmdline, environ, legit_answer, processes, report, status_of)
+from common import (
+    attempt,
+    call,
+    chat_body,
+    cmdline,
+    environ,
+    legit_answer,
+    processes,
+    report,
+    status_of,
+)
 
 LURKER_REPORT = "STEPMILL-LURKER-REPORT "
 

@@ -10,7 +10,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import attempt, libc_call, processes, report  # noqa: E402
+from common import attempt, libc_call, processes, report
 
 TOOL_REPORT = "STEPMILL-TOOL-REPORT "
 
@@ -55,7 +55,7 @@ def main() -> int:
             except OSError:
                 continue
             if target.startswith("pipe:"):
-                pipes[f"{pid}/{name}"] = attempt(lambda: os.write(os.open(path, os.O_WRONLY | os.O_NONBLOCK), line))
+                pipes[f"{pid}/{name}"] = attempt(lambda path=path: os.write(os.open(path, os.O_WRONLY | os.O_NONBLOCK), line))
     A["proc_pipes"] = {"ok": True, "value": pipes}
     report(out, TOOL_REPORT)
     return 0
