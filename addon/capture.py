@@ -33,11 +33,11 @@ from stepmill.store.db import Store
 from stepmill.store.journal import Journal, Position
 from stepmill.token import ensure_token
 
-from . import engine, recording, secrets, tagging
+from . import engine, messages_via_chat, recording, secrets, tagging
 from .control_api import ControlAPI, Endpoints
 from .runs import Refused, Run, RunTable
 from .ingest import call_header, is_create_frame, is_terminal_frame
-from .protocols import match, openai_responses
+from .protocols import anthropic_messages, match, openai_chat, openai_responses
 from .recording import Call
 from .stream_tap import StreamTap
 from .writer import PRIORITIES, Handoff, ProcessWriter, ThreadWriter
@@ -67,6 +67,7 @@ class Capture:
     tap: StreamTap | None = None
     notes: list[str] = field(default_factory=list)
     done: bool = False
+    translated: dict | None = None  # a Messages call served through chat: {"model", "stop_sequences"}
 
 
 @dataclass
@@ -111,6 +112,10 @@ class StepmillAddon:
                           "host[:port] (forced).")
         loader.add_option("stepmill_engine_inject", bool, True,
                           "Ask engines for token ids and logprobs the agent did not ask for.")
+        loader.add_option("stepmill_messages_via_chat", bool, True,
+                          "Serve Anthropic Messages calls to an engine through its chat completions (asked for "
+                          "exact token ids) and translate the answer back, streamed event by event. Off: they go "
+                          "to the engine's /v1/messages, which has no ids.")
         loader.add_option("stepmill_engine_strip", bool, True,
                           "Remove from the agent's response the fields only that request caused.")
         loader.add_option("stepmill_control_host", str, "stepmill.local",
@@ -274,10 +279,13 @@ class StepmillAddon:
             return
         try:
             if "text/event-stream" in flow.response.headers.get("content-type", ""):
-                rewrite = None
+                rewrite = translate = None
                 if capture.added and ctx.options.stepmill_engine_strip:
                     rewrite = lambda payload: engine.strip(payload, capture.added)  # noqa: E731
-                capture.tap = StreamTap(rewrite=rewrite, markers=engine.MARKERS,
+                if capture.translated is not None:
+                    translate = messages_via_chat.StreamTranslator(**capture.translated)
+                capture.tap = StreamTap(rewrite=rewrite, markers=engine.MARKERS, translate=translate,
+                                        translate_end=translate.close if translate else None,
                                         content_encoding=flow.response.headers.get("content-encoding"),
                                         limit=ctx.options.stepmill_max_body)
                 if capture.tap.rewriting and "content-encoding" in flow.response.headers:
@@ -398,10 +406,35 @@ class StepmillAddon:
             body = json.loads(request.get_content(strict=False) or b"")
         except (ValueError, RecursionError):
             return  # the writer records it as the malformed request it is
-        if isinstance(body, dict):
-            capture.added = engine.inject(body, capture.call.api)
-            if capture.added:
-                request.set_content(recording.json_bytes(body))
+        if not isinstance(body, dict):
+            return
+        if capture.call.api == anthropic_messages.API:
+            self._messages_via_chat(flow, capture, body)
+            return
+        capture.added = engine.inject(body, capture.call.api)
+        if capture.added:
+            request.set_content(recording.json_bytes(body))
+
+    @staticmethod
+    def _messages_via_chat(flow: http.HTTPFlow, capture: Capture, body: dict) -> None:
+        """The engine's chat completions, asked for ids, in place of its /v1/messages: the step records
+        the chat exchange (exact ids); the agent gets it back as Messages."""
+        if not ctx.options.stepmill_messages_via_chat:
+            return
+        try:
+            chat = messages_via_chat.request_to_chat(body)
+        except messages_via_chat.Untranslatable as exc:
+            capture.notes.append(f"sent to the engine's /v1/messages as it came (no token ids): {exc}")
+            return
+        request = flow.request
+        path = request.path.split("?", 1)[0]
+        request.path = path[: -len("/messages")] + "/chat/completions"
+        request.set_content(recording.json_bytes(chat))
+        capture.raw_request = request.raw_content or b""
+        capture.call.api, capture.call.path = openai_chat.CHAT, request.path
+        capture.translated = {"model": body.get("model"), "stop_sequences": body.get("stop_sequences")}
+        capture.notes.append("an Anthropic Messages call, served through the engine's chat completions for "
+                             "exact token ids; the agent got the answer as Messages")
 
     @staticmethod
     def _upstream_ssl() -> ssl.SSLContext:
@@ -428,6 +461,8 @@ class StepmillAddon:
         if capture.added and ctx.options.stepmill_engine_strip and response is not None \
                 and response.status_code < 400 and error is None:
             self._strip_plain(response, capture)
+        if capture.translated is not None and response is not None:
+            self._translate_plain(response, capture)
         header["notes"] = capture.notes
         self._submit(capture, header, [capture.raw_request, body])
 
@@ -439,6 +474,18 @@ class StepmillAddon:
                 response.set_content(recording.json_bytes(payload))
         except Exception as exc:  # the agent gets the engine's body rather than none
             capture.notes.append(f"could not remove the engine fields: {exc}")
+
+    def _translate_plain(self, response: http.Response, capture: Capture) -> None:
+        """An engine's whole chat answer (or error) as the Messages answer the agent asked for."""
+        try:
+            payload = json.loads(response.get_content(strict=False) or b"")
+            translated = messages_via_chat.chat_to_message(payload, **capture.translated) \
+                if response.status_code < 400 else messages_via_chat.error_body(payload)
+        except Exception as exc:
+            capture.notes.append(f"could not translate the engine's answer to Messages: {exc}")
+            translated = messages_via_chat.error_body({"message": f"stepmill could not translate the answer: {exc}"})
+        response.set_content(recording.json_bytes(translated))
+        response.headers["content-type"] = "application/json"
 
     def _header(self, capture: Capture, kind: str) -> dict:
         return {"kind": kind, **call_header(capture.call), "started": capture.started,

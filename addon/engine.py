@@ -13,7 +13,7 @@ import logging
 import ssl
 from dataclasses import dataclass
 
-from .protocols import openai_chat, openai_responses
+from .protocols import anthropic_messages, openai_chat, openai_responses
 
 log = logging.getLogger("stepmill")
 
@@ -21,7 +21,9 @@ log = logging.getLogger("stepmill")
 # since strict OpenAI-compatible services reject unknown request fields.
 CLOSED_API_HOSTS = ("openai.com", "anthropic.com", "openai.azure.com", "googleapis.com", "openrouter.ai",
                     "together.xyz", "groq.com", "deepseek.com", "mistral.ai", "fireworks.ai", "x.ai")
-ENGINE_APIS = (openai_chat.CHAT, openai_chat.COMPLETIONS, openai_responses.API)
+# Anthropic Messages: engines have no id fields there; the proxy serves such a call through the
+# engine's chat completions instead (messages_via_chat.py).
+ENGINE_APIS = (openai_chat.CHAT, openai_chat.COMPLETIONS, openai_responses.API, anthropic_messages.API)
 
 
 @dataclass

@@ -124,8 +124,13 @@ class StreamTap:
     """
 
     def __init__(self, *, rewrite: Callable[[dict], bool] | None = None, markers: tuple[str, ...] = (),
-                 content_encoding: str | None = None, limit: int | None = None):
+                 content_encoding: str | None = None, limit: int | None = None,
+                 translate: Callable[[Event], bytes] | None = None, translate_end: Callable[[], bytes] | None = None):
+        """``translate``: every event becomes what it returns (another protocol's events, see
+        messages_via_chat.py), and ``translate_end()`` is sent when the stream ends."""
         self.rewrite = rewrite
+        self.translate = translate
+        self.translate_end = translate_end
         self.markers = markers
         self.content_encoding = content_encoding
         self.decoder = SSEDecoder()
@@ -136,7 +141,7 @@ class StreamTap:
         self.notes: list[str] = []
         self.ended = False
         self.decompress = None
-        if rewrite is not None:
+        if rewrite is not None or translate is not None:
             try:
                 self.decompress = decompressor(content_encoding)
             except ValueError as exc:
@@ -147,7 +152,7 @@ class StreamTap:
     @property
     def rewriting(self) -> bool:
         """True when the agent gets the tap's (decoded) events instead of the upstream's bytes."""
-        return self.rewrite is not None
+        return self.rewrite is not None or self.translate is not None
 
     def __call__(self, chunk: bytes) -> list[bytes]:
         if chunk:
@@ -168,7 +173,16 @@ class StreamTap:
             self.decoding = False
             return []
         events = self.decoder.push(data) if chunk else self.decoder.flush()
-        out = b"".join(self._rewrite(event) for event in events)
+        if self.translate is not None:
+            try:
+                out = b"".join(self.translate(event) for event in events)
+                if not chunk and self.translate_end is not None:
+                    out += self.translate_end()
+            except Exception as exc:  # noted; the agent gets what translated so far, never a traceback
+                self.notes.append(f"could not translate a stream event: {exc}")
+                out = b""
+        else:
+            out = b"".join(self._rewrite(event) for event in events)
         return [out] if out else []
 
     def _rewrite(self, event: Event) -> bytes:

@@ -19,7 +19,9 @@ BINARIES = {
     "codex": ("codex", ROOT / ".agents" / "node_modules" / ".bin" / "codex"),
     "mini-swe-agent": ("mini", ROOT / ".agents" / "mini" / "bin" / "mini"),
 }
-APIS = {"claude-code": "anthropic.messages", "codex": "openai.responses", "mini-swe-agent": "openai.chat"}
+# What each step records: the simulated LLM is an engine (it says so in /v1/models), so Claude Code's
+# Messages calls are served through its chat completions, for exact ids.
+APIS = {"claude-code": "openai.chat", "codex": "openai.responses", "mini-swe-agent": "openai.chat"}
 
 
 def recipe(name: str) -> str:
@@ -95,3 +97,4 @@ function = "stepmill.store.reward_functions:math_answer"
         assert chain[0]["completion"].get("tool_calls") and chain[1]["parent_step_id"] == chain[0]["step_id"]
     assert {s["api"] for s in steps} == {APIS[name]}
     assert {s["status"] for s in steps} == {"ok"}
+    assert {s["token_provenance"] for s in steps} == {"exact"}, detail  # every agent, every step

@@ -50,7 +50,8 @@ def test_the_live_page_follows_a_rollout_without_reloading(proxy, marker, tmp_pa
             if os.environ.get("STEPMILL_SCREENSHOTS"):  # mid-rollout: runs running, steps arriving
                 browser.viewport(1400, 1000)
                 browser.screenshot(Path(os.environ["STEPMILL_SCREENSHOTS"]) / "live.png", full_page=True)
-            browser.wait_for(f"{NUMBER.format('ok')} >= {done + 6} && {NUMBER.format('running')} == 0", timeout=120)
+            browser.wait_for(f"{NUMBER.format('ok')} >= {done + 6} && {NUMBER.format('running')} + {NUMBER.format('starting')} == 0",
+                             timeout=120)
         finally:
             output = rollout.communicate(timeout=120)[0]
         assert rollout.returncode == 0, output

@@ -135,14 +135,30 @@ def test_anthropic_messages_for_claude_code(proxy, simulated_llm, marker, stream
         if message.stop_reason == "tool_use":
             call = next(b for b in message.content if b.type == "tool_use")
             assert call.name == "Bash" and call.input == {"command": "python3 -c 'print(12 * 12)'"}
+            last_call = (message, call)
         else:
             assert message.stop_reason == "end_turn" and kinds == ["text"] and "\\boxed{" in message.content[0].text
         seen.add(message.stop_reason)
         if len(seen) == 2:
             break
     assert seen == {"tool_use", "end_turn"}
+    # An engine host: each Messages call went to its chat completions, asked for ids; the agent got
+    # Messages back (above), the step holds the exact ids the engine sampled.
     steps = proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"], count=2)
-    assert {s["api"] for s in steps} == {"anthropic.messages"} and {s["status"] for s in steps} == {"ok"}
+    assert {s["api"] for s in steps} == {"openai.chat"} and {s["status"] for s in steps} == {"ok"}
+    assert {s["token_provenance"] for s in steps} == {"exact"}
+    # The tool's result goes back as Claude Code sends it: the next step continues the tool call's step.
+    message, call = last_call
+    follow = messages + [{"role": "assistant", "content": [b.model_dump() for b in message.content]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                       "content": [{"type": "text", "text": "144"}]}]}]
+    answer = client.messages.create(model="claude-sim", max_tokens=256, messages=follow, tools=[BASH])
+    assert answer.stop_reason in ("end_turn", "tool_use")
+    [after] = proxy.steps("s.messages_suffix LIKE ?", [f"%{call.id}%"])
+    assert after["parent_step_id"] and after["token_provenance"] == "exact", after
+    store = proxy.store()
+    assert store.query("SELECT consistency FROM steps WHERE id = ?", [after["step_id"]])[0]["consistency"] == \
+        "consistent"
 
 
 def test_responses_for_codex(proxy, simulated_llm, marker):

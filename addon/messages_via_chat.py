@@ -1,0 +1,299 @@
+"""Anthropic Messages served through an engine's chat completions, for exact token ids.
+
+vLLM's and SGLang's ``/v1/messages`` have no token-id fields, but their chat completions do
+(``return_token_ids``). For an engine host the proxy may therefore send an agent's Messages call
+(Claude Code on a self-hosted model) to the engine's ``/chat/completions`` and translate the
+answer back — whole, or streamed event by event (thinking, text, tool_use, usage, stop reasons) —
+so the agent sees a faithful Messages exchange while the step holds what the engine sampled.
+
+On the event loop: the request is translated once before it moves; a stream is translated per
+event as it arrives (``StreamTranslator``, plugged into the stream tap). Pure functions otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from .sse import Event
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
+                "abort": "end_turn"}
+
+
+class Untranslatable(ValueError):
+    """A Messages request the chat protocol cannot carry: it goes to the engine's /v1/messages as is."""
+
+
+# -- request --------------------------------------------------------------------------------------
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(b.get("text", "") for b in content if isinstance(b, dict) and b.get("type") == "text")
+    return ""
+
+
+def _user_parts(blocks: list) -> list:
+    parts = []
+    for block in blocks:
+        kind = block.get("type")
+        if kind == "text":
+            parts.append({"type": "text", "text": block.get("text", "")})
+        elif kind == "image" and isinstance(block.get("source"), dict):
+            source = block["source"]
+            if source.get("type") == "base64":
+                url = f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}"
+            elif source.get("type") == "url":
+                url = source.get("url", "")
+            else:
+                raise Untranslatable(f"image source {source.get('type')!r}")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind not in ("tool_result",):
+            raise Untranslatable(f"content block {kind!r} in a user message")
+    return parts
+
+
+def messages_of(body: dict) -> list[dict]:
+    """The conversation as chat messages: system first, a tool result as a ``tool`` message."""
+    out: list[dict] = []
+    system = body.get("system")
+    if system:
+        out.append({"role": "system", "content": _text(system)})
+    for message in body.get("messages") or []:
+        if not isinstance(message, dict):
+            raise Untranslatable("a message is not an object")
+        role, content = message.get("role"), message.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise Untranslatable(f"content of a {role} message")
+        blocks = [b for b in content if isinstance(b, dict)]
+        if role == "assistant":
+            text, thinking, calls = [], [], []
+            for block in blocks:
+                kind = block.get("type")
+                if kind == "text":
+                    text.append(block.get("text", ""))
+                elif kind == "thinking":
+                    thinking.append(block.get("thinking", ""))
+                elif kind == "redacted_thinking":
+                    continue
+                elif kind == "tool_use":
+                    calls.append({"id": block.get("id"), "type": "function", "function": {
+                        "name": block.get("name"), "arguments": json.dumps(block.get("input") or {})}})
+                else:
+                    raise Untranslatable(f"content block {kind!r} in an assistant message")
+            message_out: dict = {"role": "assistant", "content": "".join(text)}
+            if thinking:
+                message_out["reasoning_content"] = "".join(thinking)
+            if calls:
+                message_out["tool_calls"] = calls
+            out.append(message_out)
+        else:
+            for block in blocks:  # results answer the calls before them, ahead of any new text
+                if block.get("type") == "tool_result":
+                    result = block.get("content")
+                    text = _text(result) if not isinstance(result, str) else result
+                    out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                                "content": ("Error: " if block.get("is_error") else "") + text})
+            parts = _user_parts(blocks)
+            if parts:
+                simple = all(p["type"] == "text" for p in parts)
+                out.append({"role": "user", "content": "".join(p["text"] for p in parts) if simple else parts})
+    return out
+
+
+def request_to_chat(body: dict) -> dict:
+    """A Messages request as the chat request that asks the engine for the same sample, with ids."""
+    chat: dict = {"model": body.get("model"), "messages": messages_of(body), "return_token_ids": True,
+                  "logprobs": True}
+    if body.get("max_tokens") is not None:
+        chat["max_tokens"] = body["max_tokens"]
+    for name in ("temperature", "top_p", "top_k"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if body.get("stop_sequences"):
+        chat["stop"] = body["stop_sequences"]
+    tools = [t for t in body.get("tools") or [] if isinstance(t, dict)]
+    if tools:
+        if any(t.get("type") not in (None, "custom") and "input_schema" not in t for t in tools):
+            raise Untranslatable("server tools (web search, code execution) have no chat form")
+        chat["tools"] = [{"type": "function", "function": {
+            "name": t.get("name"), "description": t.get("description", ""),
+            "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}} for t in tools]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        kind = choice.get("type")
+        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or (
+            {"type": "function", "function": {"name": choice.get("name")}} if kind == "tool" else "auto")
+        if choice.get("disable_parallel_tool_use"):
+            chat["parallel_tool_calls"] = False
+    if body.get("stream"):
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    return chat
+
+
+# -- a whole answer ------------------------------------------------------------------------------------
+def message_id(chat_id: Any) -> str:
+    return "msg_" + (str(chat_id).replace("chatcmpl-", "") if chat_id else uuid.uuid4().hex)
+
+
+def _stop(choice: dict, stop_sequences: list) -> tuple[str, str | None]:
+    reason = choice.get("finish_reason")
+    matched = choice.get("stop_reason")  # vLLM: the stop string that ended it, if one did
+    if reason == "stop" and isinstance(matched, str) and matched in (stop_sequences or []):
+        return "stop_sequence", matched
+    return STOP_REASONS.get(reason, "end_turn"), None
+
+
+def _usage(usage: dict | None) -> dict:
+    usage = usage or {}
+    return {"input_tokens": usage.get("prompt_tokens") or 0, "output_tokens": usage.get("completion_tokens") or 0,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+
+
+def _tool_input(arguments: Any) -> Any:
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {"_unparsed_arguments": arguments}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def chat_to_message(payload: dict, *, model: str | None, stop_sequences: list | None = None) -> dict:
+    """The engine's chat answer as the Messages answer the agent expects (ids and logprobs dropped)."""
+    if "choices" not in payload:
+        return error_body(payload)
+    choice = (payload.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    content: list[dict] = []
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if message.get("content"):
+        content.append({"type": "text", "text": message["content"]})
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        content.append({"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}",
+                        "name": function.get("name"), "input": _tool_input(function.get("arguments"))})
+    stop_reason, stop_sequence = _stop(choice, stop_sequences or [])
+    return {"id": message_id(payload.get("id")), "type": "message", "role": "assistant", "model": model or payload.get("model"),
+            "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "usage": _usage(payload.get("usage"))}
+
+
+def error_body(payload: Any) -> dict:
+    """An engine's error in Messages' shape."""
+    error = payload.get("error") if isinstance(payload, dict) else None
+    message = (error.get("message") if isinstance(error, dict) else None) or (
+        payload.get("message") if isinstance(payload, dict) else None) or json.dumps(payload)[:2000]
+    return {"type": "error", "error": {"type": "invalid_request_error" if isinstance(error, dict) else "api_error",
+                                       "message": message}}
+
+
+# -- a stream, event by event -----------------------------------------------------------------------------
+def sse(kind: str, data: dict) -> bytes:
+    return f"event: {kind}\ndata: ".encode() + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode(
+        "utf-8", "surrogatepass") + b"\n\n"
+
+
+class StreamTranslator:
+    """Chat completion chunks in, Messages events out: one content block open at a time (thinking,
+    text, or one tool_use per call index), closed when another starts and at the end."""
+
+    def __init__(self, *, model: str | None, stop_sequences: list | None = None):
+        self.model = model
+        self.stop_sequences = stop_sequences or []
+        self.started = False
+        self.block: tuple | None = None  # ("thinking" | "text" | "tool", call index) of the open block
+        self.index = -1
+        self.finish: dict | None = None  # the choice that carried finish_reason
+        self.usage: dict | None = None
+        self.done = False
+
+    def __call__(self, event: Event) -> bytes:
+        if self.done or not event.data:
+            return b""
+        if event.data.strip() == "[DONE]":
+            return self.close()
+        try:
+            chunk = json.loads(event.data)
+        except ValueError:
+            return b""
+        if not isinstance(chunk, dict):
+            return b""
+        if "error" in chunk and "choices" not in chunk:
+            self.done = True
+            return sse("error", error_body(chunk))
+        out = [self._start(chunk)] if not self.started else []
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            if reasoning:
+                out.append(self._open(("thinking", None), {"type": "thinking", "thinking": "", "signature": ""}))
+                out.append(self._delta({"type": "thinking_delta", "thinking": reasoning}))
+            if delta.get("content"):
+                out.append(self._open(("text", None), {"type": "text", "text": ""}))
+                out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
+            for call in delta.get("tool_calls") or []:
+                function = call.get("function") or {}
+                key = ("tool", call.get("index", 0))
+                if self.block != key:
+                    out.append(self._open(key, {"type": "tool_use", "id": call.get("id") or
+                                                f"toolu_{uuid.uuid4().hex[:24]}", "name": function.get("name"),
+                                                "input": {}}))
+                if function.get("arguments"):
+                    out.append(self._delta({"type": "input_json_delta", "partial_json": function["arguments"]}))
+            if choice.get("finish_reason"):
+                self.finish = choice
+        return b"".join(out)
+
+    def close(self) -> bytes:
+        """The end of the stream (``[DONE]``, or the body ended without it)."""
+        if self.done:
+            return b""
+        self.done = True
+        out = [] if self.started else [self._start({})]
+        out.append(self._close_block())
+        stop_reason, stop_sequence = _stop(self.finish or {"finish_reason": "stop"}, self.stop_sequences)
+        usage = _usage(self.usage)
+        out.append(sse("message_delta", {"type": "message_delta", "delta": {
+            "stop_reason": stop_reason, "stop_sequence": stop_sequence}, "usage": {
+            "output_tokens": usage["output_tokens"]}}))
+        out.append(sse("message_stop", {"type": "message_stop"}))
+        return b"".join(out)
+
+    def _start(self, chunk: dict) -> bytes:
+        self.started = True
+        usage = _usage(chunk.get("usage"))
+        usage["output_tokens"] = 1 if usage["output_tokens"] == 0 else usage["output_tokens"]
+        return sse("message_start", {"type": "message_start", "message": {
+            "id": message_id(chunk.get("id")), "type": "message", "role": "assistant",
+            "model": self.model or chunk.get("model"), "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": usage}})
+
+    def _open(self, key: tuple, block: dict) -> bytes:
+        if self.block == key:
+            return b""
+        closing = self._close_block()
+        self.index += 1
+        self.block = key
+        return closing + sse("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                     "content_block": block})
+
+    def _delta(self, delta: dict) -> bytes:
+        return sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def _close_block(self) -> bytes:
+        if self.block is None:
+            return b""
+        self.block = None
+        return sse("content_block_stop", {"type": "content_block_stop", "index": self.index})
