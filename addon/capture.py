@@ -264,7 +264,7 @@ class StepmillAddon:
                 if decision is None:
                     return self._probe_then_inject(flow, capture, key)
             if decision:
-                self._inject(flow, capture)
+                self._inject(flow, capture, decision)
         except Exception:
             hook_failed("request")
         return None
@@ -395,11 +395,11 @@ class StepmillAddon:
             if await self.probe.ask(key, request.scheme, (request.host, request.port),
                                     request.host_header or request.host, key[4] + "/models", auth,
                                     self._upstream_ssl(), via=self._via(flow)):
-                self._inject(flow, capture)
+                self._inject(flow, capture, self.probe.known(key))
         except Exception:
             hook_failed("request")
 
-    def _inject(self, flow: http.HTTPFlow, capture: Capture) -> None:
+    def _inject(self, flow: http.HTTPFlow, capture: Capture, kind: str | bool = True) -> None:
         """Only requests to engines are parsed on the loop: the fields must be added before bytes move."""
         request = flow.request
         try:
@@ -409,20 +409,20 @@ class StepmillAddon:
         if not isinstance(body, dict):
             return
         if capture.call.api == anthropic_messages.API:
-            self._messages_via_chat(flow, capture, body)
+            self._messages_via_chat(flow, capture, body, kind)
             return
-        capture.added = engine.inject(body, capture.call.api)
+        capture.added = engine.inject(body, capture.call.api, "sglang" if kind == "sglang" else "vllm")
         if capture.added:
             request.set_content(recording.json_bytes(body))
 
     @staticmethod
-    def _messages_via_chat(flow: http.HTTPFlow, capture: Capture, body: dict) -> None:
+    def _messages_via_chat(flow: http.HTTPFlow, capture: Capture, body: dict, kind: str | bool) -> None:
         """The engine's chat completions, asked for ids, in place of its /v1/messages: the step records
         the chat exchange (exact ids); the agent gets it back as Messages."""
         if not ctx.options.stepmill_messages_via_chat:
             return
         try:
-            chat = messages_via_chat.request_to_chat(body)
+            chat = messages_via_chat.request_to_chat(body, engine="sglang" if kind == "sglang" else "vllm")
         except messages_via_chat.Untranslatable as exc:
             capture.notes.append(f"sent to the engine's /v1/messages as it came (no token ids): {exc}")
             return

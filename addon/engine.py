@@ -31,9 +31,10 @@ class Added:
     token_ids: bool = False
     logprobs: bool = False
     response_messages: bool = False  # vLLM Responses: input_messages / output_messages with their tokens
+    sglext: bool = False  # SGLang chat: sglext.input_ids / sglext.output_ids
 
     def __bool__(self) -> bool:
-        return self.token_ids or self.logprobs or self.response_messages
+        return self.token_ids or self.logprobs or self.response_messages or self.sglext
 
 
 def configured(host: str, port: int | None, api: str, setting: str) -> bool | None:
@@ -59,17 +60,20 @@ ENGINE_OWNERS = ("vllm", "sglang")
 PROBE_TIMEOUT = 3.0
 
 
-def models_say_engine(status: int, body: bytes) -> bool:
-    """vLLM and SGLang list their models with ``owned_by: "vllm"`` / ``"sglang"``."""
+def models_say_engine(status: int, body: bytes) -> str | None:
+    """vLLM and SGLang list their models with ``owned_by: "vllm"`` / ``"sglang"``: which one, or None."""
     if status != 200:
-        return False
+        return None
     try:
         payload = json.loads(body)
     except ValueError:
-        return False
+        return None
     data = payload.get("data") if isinstance(payload, dict) else None
-    return isinstance(data, list) and any(
-        isinstance(m, dict) and str(m.get("owned_by", "")).lower() in ENGINE_OWNERS for m in data)
+    for model in data if isinstance(data, list) else []:
+        owner = str(model.get("owned_by", "")).lower() if isinstance(model, dict) else ""
+        if owner in ENGINE_OWNERS:
+            return owner
+    return None
 
 
 class EngineProbe:
@@ -81,14 +85,14 @@ class EngineProbe:
     """
 
     def __init__(self):
-        self.answers: dict[tuple, bool] = {}
+        self.answers: dict[tuple, str | bool] = {}  # "vllm" / "sglang", or False: no engine
         self.pending: dict[tuple, asyncio.Future] = {}
 
-    def known(self, key: tuple) -> bool | None:
+    def known(self, key: tuple) -> str | bool | None:
         return self.answers.get(key)
 
     async def ask(self, key: tuple, scheme: str, address: tuple[str, int], host_header: str, models_path: str,
-                  auth: dict, ssl_context: ssl.SSLContext | None, via: tuple | None = None) -> bool:
+                  auth: dict, ssl_context: ssl.SSLContext | None, via: tuple | None = None) -> str | bool:
         """``via``: the upstream proxy the flow itself goes through, (scheme, (host, port)), or None."""
         if key in self.answers:
             return self.answers[key]
@@ -102,7 +106,7 @@ class EngineProbe:
         self.answers[key] = answer
         return answer
 
-    async def _probe(self, scheme, address, host_header, models_path, auth, ssl_context, via) -> bool:
+    async def _probe(self, scheme, address, host_header, models_path, auth, ssl_context, via) -> str | bool:
         try:
             status, body = await asyncio.wait_for(
                 http_get(address, host_header, models_path, auth, ssl_context if scheme == "https" else None,
@@ -110,8 +114,8 @@ class EngineProbe:
         except Exception as exc:  # unreachable, refused, TLS: not an engine we can vouch for
             log.info(f"stepmill: engine probe of {host_header}{models_path} failed ({exc!r}); not an engine")
             return False
-        answer = models_say_engine(status, body)
-        log.info(f"stepmill: {host_header} is {'an engine (vLLM/SGLang)' if answer else 'no engine'}: "
+        answer = models_say_engine(status, body) or False
+        log.info(f"stepmill: {host_header} is {'an engine (' + answer + ')' if answer else 'no engine'}: "
                  f"token ids {'will' if answer else 'will not'} be asked for")
         return answer
 
@@ -186,8 +190,8 @@ def _dechunk(body: bytes) -> bytes:
     return b"".join(out)
 
 
-def inject(body: dict, api: str) -> Added:
-    """Ask for ids and logprobs in place; returns what was added."""
+def inject(body: dict, api: str, kind: str | bool = "vllm") -> Added:
+    """Ask for ids and logprobs in place, the way engine ``kind`` allows; returns what was added."""
     added = Added()
     if api == openai_responses.API:
         # vLLM answers the prompt's and the output's tokens as raw_message_tokens items (not in
@@ -196,7 +200,13 @@ def inject(body: dict, api: str) -> Added:
             body["enable_response_messages"] = True
             added.response_messages = True
         return added
-    if not body.get("return_token_ids"):
+    if kind == "sglang" and api == openai_chat.CHAT:
+        # SGLang refuses return_token_ids on streamed chat; its sglext flags work streamed or not.
+        if not (body.get("return_input_ids_in_sglext") or body.get("return_output_ids_in_sglext")
+                or body.get("return_token_ids")):
+            body["return_input_ids_in_sglext"] = body["return_output_ids_in_sglext"] = True
+            added.sglext = True
+    elif not body.get("return_token_ids"):
         body["return_token_ids"] = True
         added.token_ids = True
     if api == openai_chat.CHAT:
@@ -220,6 +230,15 @@ def strip(payload: dict, added: Added) -> bool:
                         holder[key] = None  # as the engine answers when not asked: the field, empty
                         changed = True
         return changed
+    if added.sglext and isinstance(payload.get("sglext"), dict):
+        sglext = payload["sglext"]
+        for key in ("input_ids", "output_ids"):
+            if sglext.pop(key, None) is not None:
+                changed = True
+        if not sglext:
+            del payload["sglext"]
+            if payload.get("choices") == [] and not payload.get("usage"):
+                payload.clear()  # the chunk only carried the ids: the agent never sees it
     if added.token_ids and "prompt_token_ids" in payload:
         del payload["prompt_token_ids"]
         changed = True
@@ -238,4 +257,4 @@ def strip(payload: dict, added: Added) -> bool:
 
 
 # Stream events that can carry what ``inject`` added: only these are parsed and rewritten.
-MARKERS = ("token_ids", "logprobs", "input_messages", "output_messages")
+MARKERS = ("token_ids", "logprobs", "input_messages", "output_messages", "sglext")

@@ -106,10 +106,14 @@ def messages_of(body: dict) -> list[dict]:
     return out
 
 
-def request_to_chat(body: dict) -> dict:
-    """A Messages request as the chat request that asks the engine for the same sample, with ids."""
-    chat: dict = {"model": body.get("model"), "messages": messages_of(body), "return_token_ids": True,
-                  "logprobs": True}
+def request_to_chat(body: dict, engine: str = "vllm") -> dict:
+    """A Messages request as the chat request that asks the engine for the same sample, with ids
+    (SGLang refuses ``return_token_ids`` on streamed chat: its ``sglext`` flags instead)."""
+    chat: dict = {"model": body.get("model"), "messages": messages_of(body), "logprobs": True}
+    if engine == "sglang":
+        chat["return_input_ids_in_sglext"] = chat["return_output_ids_in_sglext"] = True
+    else:
+        chat["return_token_ids"] = True
     if body.get("max_tokens") is not None:
         chat["max_tokens"] = body["max_tokens"]
     for name in ("temperature", "top_p", "top_k"):

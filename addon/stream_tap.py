@@ -193,6 +193,8 @@ class StreamTap:
             payload = json.loads(event.data)
             if not isinstance(payload, dict) or not self.rewrite(payload):
                 return event.raw
+            if not payload:
+                return b""  # an event that only carried what the agent did not ask for
             body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
         except Exception as exc:  # the agent gets the event as it came rather than a broken one
             self.notes.append(f"could not rewrite a stream event: {exc}")

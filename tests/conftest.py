@@ -225,3 +225,7 @@ def anthropic_client(proxy):
 
     return anthropic.Anthropic(api_key="sk-ant-test-secret", base_url="https://api.anthropic.com", max_retries=0,
                                timeout=30)
+
+
+# The real vLLM (tests/real_engine.py): one server per session, from .engines/vllm (`.ci/install-engines`).
+from .real_engine import vllm  # noqa: E402,F401

@@ -54,12 +54,15 @@ def test_engine_routing():
     assert engine.configured("10.0.0.7", 8000, "openai.chat", "auto") is None  # auto: the probe decides
     assert engine.configured("api.openai.com", 443, "openai.chat", "auto") is False
     assert engine.configured("openrouter.ai", 443, "openai.chat", "auto") is False
-    assert engine.configured("10.0.0.7", 8000, "openai.responses", "auto") is False
+    # Responses and Messages too: engines give ids for both (Messages through chat completions).
+    assert engine.configured("10.0.0.7", 8000, "openai.responses", "auto") is None
+    assert engine.configured("10.0.0.7", 8000, "anthropic.messages", "auto") is None
+    assert engine.configured("api.anthropic.com", 443, "anthropic.messages", "auto") is False
     assert engine.configured("10.0.0.7", 8000, "openai.chat", "none") is False
     assert engine.configured("gpu1", 8000, "openai.chat", "gpu1:8000,gpu2") is True
     assert engine.configured("gpu3", 8000, "openai.chat", "gpu1:8000,gpu2") is False
     assert engine.models_say_engine(200, b'{"object":"list","data":[{"id":"q","owned_by":"vllm"}]}')
-    assert engine.models_say_engine(200, b'{"data":[{"id":"q","owned_by":"sglang"}]}')
+    assert engine.models_say_engine(200, b'{"data":[{"id":"q","owned_by":"sglang"}]}') == "sglang"
     assert not engine.models_say_engine(200, b'{"data":[{"id":"gpt","owned_by":"openai"}]}')
     assert not engine.models_say_engine(404, b'{"data":[{"owned_by":"vllm"}]}')
     assert not engine.models_say_engine(200, b"<html>")

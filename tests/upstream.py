@@ -33,8 +33,13 @@ from cryptography.x509.oid import NameOID
 
 END = 256
 FAILURES = ("bad-json", "http-500", "cut-stream", "gated-stream", "unknown-event", "ws-close")
-ENGINE_HOSTS = ("engine.local", "127.0.0.1", "localhost")
-ENGINE_FIELDS = ("return_token_ids",)
+ENGINE_HOSTS = ("engine.local", "127.0.0.1", "localhost", "sglang.local")
+# sglang.local answers as SGLang's OpenAI server does: return_token_ids refused on streamed chat (400);
+# return_input_ids_in_sglext / return_output_ids_in_sglext give sglext.input_ids and sglext.output_ids
+# (one list per choice) in the body, or streamed in one final ``choices: []`` chunk before [DONE].
+SGLANG_HOSTS = ("sglang.local",)
+SGLEXT_FIELDS = ("return_input_ids_in_sglext", "return_output_ids_in_sglext")
+ENGINE_FIELDS = ("return_token_ids", *SGLEXT_FIELDS)
 LINGER = 0.5  # seconds a stream stays open after its terminal event
 # Stream shapes, by model name prefix: each event written in two pieces, or the body compressed.
 SPLIT, GZIP, BROTLI = "split-", "gzip-", "br-"
@@ -56,7 +61,7 @@ def make_certs(folder: Path) -> tuple[Path, Path, Path]:
           .sign(ca_key, hashes.SHA256()))
     key = ec.generate_private_key(ec.SECP256R1())
     names = [x509.DNSName(n) for n in ("localhost", "api.openai.com", "api.anthropic.com", "engine.local",
-                                       "gateway.local")]
+                                       "gateway.local", "sglang.local")]
     names.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
@@ -199,8 +204,12 @@ class Upstream:
     def is_engine_host(request) -> bool:
         return request.host.split(":")[0] in ENGINE_HOSTS
 
+    @staticmethod
+    def is_sglang(request) -> bool:
+        return request.host.split(":")[0] in SGLANG_HOSTS
+
     async def models(self, request):
-        owner = "vllm" if self.is_engine_host(request) else "openai"
+        owner = ("sglang" if self.is_sglang(request) else "vllm") if self.is_engine_host(request) else "openai"
         return web.json_response({"object": "list", "data": [{"id": "test-model", "object": "model", "created": 1,
                                                               "owned_by": owner}]})
 
@@ -275,6 +284,9 @@ class Upstream:
         else:
             message, finish, text = {"role": "assistant", "content": value}, "stop", value
         engine = bool(body.get("return_token_ids"))
+        sglext = {name.split("_")[1]: True for name in SGLEXT_FIELDS if body.get(name)} if self.is_sglang(request) else {}
+        if engine and body.get("stream") and self.is_sglang(request):
+            return self._bad_request("return_token_ids is not supported for streaming chat completions")
         prompt_ids = render_ids([{"role": m.get("role"), "content": _text_of(m.get("content")) or
                                   json.dumps(m.get("tool_calls"))} for m in messages])
         response_ids = encode_text(text or json.dumps(message.get("tool_calls"))) + [END]
@@ -293,11 +305,16 @@ class Upstream:
             if engine:
                 payload["prompt_token_ids"] = prompt_ids
                 choice["token_ids"] = response_ids
+            outputs = [response_ids]
             for index in range(1, body.get("n") or 1):  # more samples of the same prompt
                 other = f"{text} (sample {index})"
+                outputs.append(encode_text(other) + [END])
                 payload["choices"].append({"index": index, "message": {"role": "assistant", "content": other},
                                            "finish_reason": "stop", "logprobs": None,
-                                           **({"token_ids": encode_text(other) + [END]} if engine else {})})
+                                           **({"token_ids": outputs[-1]} if engine else {})})
+            if sglext:
+                payload["sglext"] = {**({"input_ids": prompt_ids} if sglext.get("input") else {}),
+                                     **({"output_ids": outputs} if sglext.get("output") else {})}
             return web.json_response(payload)
         chunks = []
         base = {"id": rid, "object": "chat.completion.chunk", "created": 1, "model": model}
@@ -346,6 +363,10 @@ class Upstream:
             chunks.append((None, final))
             final = {**base, "choices": [], "usage": usage}
         chunks.append((None, final))
+        if sglext:
+            chunks.append((None, {**base, "choices": [], "sglext": {
+                **({"input_ids": prompt_ids} if sglext.get("input") else {}),
+                **({"output_ids": [response_ids]} if sglext.get("output") else {})}}))
         chunks.append((None, "[DONE]"))
         return await self._stream(request, model, chunks)
 

