@@ -3,7 +3,9 @@
 Routes (HTML, or JSON with a .json suffix):
   /-/stepmill/steps/<step_id>
   /-/stepmill/trajectories/<trajectory_id>
-  /-/stepmill/lifecycle
+  /-/stepmill/groups/<group_id>      a group's rollouts side by side and their prefix tree
+  /-/stepmill/lifecycle              the lifecycle in numbers and charts
+  /-/stepmill/live                   runs and steps of the last minutes, refreshing itself (live.json)
   /-/stepmill/sign-in?token=…       a named reviewer's token (``stepmill reviewer NAME``) → signed in;
                                     without a token: how to sign in
   POST /-/stepmill/review           a signed-in reviewer's label / trainable / tag / note / reward
@@ -29,7 +31,7 @@ from datasette.utils import await_me_maybe, tilde_encode
 from datasette.utils.asgi import Request, Response
 from markupsafe import Markup, escape
 
-from . import reviewers
+from . import dashboard, reviewers
 from .db import Store
 from .lifecycle import STAGES, lifecycle
 from .linking import content_text
@@ -84,8 +86,9 @@ async def _call(datasette, request, fn, *args):
 def _load_step(store: Store, step_id: str) -> dict:
     record = store.step(step_id)
     shared = store.query("SELECT messages_base_len FROM steps WHERE id = ?", [step_id])[0]["messages_base_len"]
+    results, called = _pair_tools(record["messages"] + ([record["completion"]] if record["completion"] else []))
     return {"step": record, "shared": shared or 0, "curation": store.curation(step_id), "target": step_id,
-            "drift": _drift(store, record)}
+            "drift": _drift(store, record), "tool_results": results, "tool_calls_shown": called}
 
 
 _tokenizers: dict = {}
@@ -103,18 +106,37 @@ def _drift(store: Store, record: dict, width: int = 8) -> dict | None:
     start = max(0, pos - width)
     sides = {"parent": [int(t) for t in parent[start:pos + width]], "child": record["prompt_ids"][start:pos + width]}
     decoded = None
-    name = check["tokenizer"]
-    if name:
-        try:
-            if name not in _tokenizers:
-                from stepmill.trainer_bridge import load_tokenizer
-
-                _tokenizers[name] = load_tokenizer(name)
-            tokenizer = _tokenizers[name]
-            decoded = {side: [tokenizer.decode([t]) for t in ids] for side, ids in sides.items()}
-        except Exception:
-            decoded = None  # the tokenizer is not here: ids only
+    tokenizer = _tokenizer(check["tokenizer"])
+    if tokenizer is not None:
+        decoded = {side: [tokenizer.decode([t]) for t in ids] for side, ids in sides.items()}
     return {"pos": pos, "start": start, **sides, "decoded": decoded}
+
+
+def _tokenizer(name: str | None):
+    """The named tokenizer when it is on this machine, else None (pages then show ids only)."""
+    if not name:
+        return None
+    if name not in _tokenizers:
+        try:
+            from stepmill.trainer_bridge import load_tokenizer
+
+            _tokenizers[name] = load_tokenizer(name)
+        except Exception:
+            _tokenizers[name] = None
+    return _tokenizers[name]
+
+
+def _pair_tools(messages) -> tuple[dict, set]:
+    """Tool results by the id of the call they answer, and the ids of the calls on the page: a result
+    is drawn beside its call, and folded where it comes later as a message of its own."""
+    results, called = {}, set()
+    for message in messages:
+        if message.get("role") == "tool" and message.get("tool_call_id"):
+            results.setdefault(message["tool_call_id"], message)
+        for call in message.get("tool_calls") or []:
+            if call.get("id"):
+                called.add(call["id"])
+    return results, called
 
 
 def _load_trajectory(store: Store, trajectory_id: str) -> dict:
@@ -131,8 +153,10 @@ def _load_trajectory(store: Store, trajectory_id: str) -> dict:
     for record in steps:
         record["review"] = store.curation(record["step_id"])["review"]
     tools = next((s["tools"] for s in steps if s.get("tools")), None)
+    shown = [m for s in steps for m in s["new_messages"] + ([s["completion"]] if s["completion"] else [])]
+    results, called = _pair_tools(shown)
     return {"trajectory": trajectory, "steps": steps, "tools": tools, "curation": store.curation(trajectory_id),
-            "target": trajectory_id}
+            "target": trajectory_id, "tool_results": results, "tool_calls_shown": called}
 
 
 async def _readable(datasette, request) -> bool:
@@ -152,10 +176,17 @@ async def _view(datasette, request, what: str, load, key: str, template: str, as
         return _not_found(f"{what} {item_id}", as_json)
     if as_json:
         return Response.json(as_data(context), default=str)
-    table = "steps" if key == "step_id" else "trajectories"
-    context = {**context, "db_name": db_name, "actor": request.actor, "next": stepmill_path(table, item_id),
-               "row_url": datasette.urls.row(db_name, table, tilde_encode(item_id))}
+    kind = _KINDS[key]
+    if kind == "groups":  # a group is no row: its trajectories, filtered
+        row_url = f"{datasette.urls.table(db_name, 'trajectories')}?group_id={quote(item_id, safe='')}"
+    else:
+        row_url = datasette.urls.row(db_name, kind, tilde_encode(item_id))
+    context = {**context, "db_name": db_name, "actor": request.actor, "next": stepmill_path(kind, item_id),
+               "row_url": row_url}
     return Response.html(await datasette.render_template(template, context, request=request))
+
+
+_KINDS = {"step_id": "steps", "trajectory_id": "trajectories", "group_id": "groups"}
 
 
 def _not_found(what: str, as_json: bool):
@@ -174,14 +205,42 @@ async def trajectory_view(datasette, request):
                        "stepmill_trajectory.html", lambda context: context)
 
 
+async def group_view(datasette, request):
+    return await _view(datasette, request, "group", dashboard.group, "group_id", "stepmill_group.html",
+                       lambda context: context)
+
+
+def _lifecycle_and_charts(store: Store) -> dict:
+    data = lifecycle(store.db.conn)
+    data["charts"] = dashboard.charts(store)
+    return data
+
+
 async def lifecycle_view(datasette, request):
     if not await _readable(datasette, request):
         return Response.html("<h1>Sign in to read</h1>", status=403)
-    db_name, data = await _call(datasette, request, lambda store: lifecycle(store.db.conn))
+    db_name, data = await _call(datasette, request, _lifecycle_and_charts)
     if request.url_vars.get("ext"):
         return Response.json(data)
     return Response.html(await datasette.render_template(
         "stepmill_lifecycle.html", {"data": data, "stages": STAGES, "db_name": db_name}, request=request))
+
+
+async def live_view(datasette, request):
+    """The live page polls live.json: one indexed query per refresh (see ``dashboard.live``)."""
+    if not await _readable(datasette, request):
+        return Response.html("<h1>Sign in to read</h1>", status=403)
+    try:
+        minutes = min(max(int(request.args.get("minutes") or 30), 1), 24 * 60)
+    except ValueError:
+        return Response.text("minutes: a whole number", status=400)
+    if request.url_vars.get("ext"):
+        _, data = await _call(datasette, request, lambda store: dashboard.live(store.db.conn, minutes))
+        for run in data["running"]:
+            run["url"] = stepmill_path("trajectories", run["trajectory_id"])
+        return Response.json(data, headers={"Cache-Control": "no-store"})
+    return Response.html(await datasette.render_template(
+        "stepmill_live.html", {"minutes": minutes}, request=request))
 
 
 async def sign_in(datasette, request):
@@ -281,7 +340,9 @@ def register_routes():
     return [
         (r"^/-/stepmill/steps/(?P<step_id>[^/]+?)(?P<ext>\.json)?$", step_view),
         (r"^/-/stepmill/trajectories/(?P<trajectory_id>[^/]+?)(?P<ext>\.json)?$", trajectory_view),
+        (r"^/-/stepmill/groups/(?P<group_id>[^/]+?)(?P<ext>\.json)?$", group_view),
         (r"^/-/stepmill/lifecycle(?P<ext>\.json)?$", lifecycle_view),
+        (r"^/-/stepmill/live(?P<ext>\.json)?$", live_view),
         (r"^/-/stepmill/sign-in$", sign_in),
         (r"^/-/stepmill/review$", review),
     ]
@@ -293,6 +354,7 @@ def prepare_jinja2_environment(env):
     env.filters["stepmill_pretty_args"] = _pretty_arguments
     env.filters["stepmill_step_url"] = lambda value: stepmill_path("steps", value)
     env.filters["stepmill_trajectory_url"] = lambda value: stepmill_path("trajectories", value)
+    env.filters["stepmill_group_url"] = lambda value: stepmill_path("groups", value)
     env.filters["stepmill_json"] = lambda value: json.dumps(value, indent=2, ensure_ascii=False, default=str)
 
 

@@ -218,6 +218,15 @@ def _m007_runs(db: sqlite_utils.Database) -> None:
     db["scoring_fields"].create({"trajectory_id": str, "fields": str}, pk="trajectory_id")
 
 
+def _m008_dashboard(db: sqlite_utils.Database) -> None:
+    # The live page reads only a recent window (runs registered or finished, steps started, all by
+    # index); the group page and the bridge's tree read one group's steps.
+    db["run_credentials"].create_index(["created_at"])
+    db["trajectories"].create_index(["completed_at"])
+    db["trajectories"].create_index(["created_at"])
+    db["steps"].create_index(["group_id"])
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("capture", _m001_capture),
     ("tokens", _m002_tokens),
@@ -226,6 +235,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("quality_and_search", _m005_quality_and_search),
     ("consumption", _m006_consumption),
     ("runs", _m007_runs),
+    ("dashboard", _m008_dashboard),
 ]
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .lifecycle import AGENT, HEADERS_JOIN, USER_AGENT
+
 STEP_COLUMNS = {
     "id": "Step id; open /-/stepmill/steps/<id> for the readable conversation",
     "trajectory_id": "One agent run",
@@ -110,11 +112,11 @@ def config(db_name: str) -> dict:
                     "stale": {"title": "Steps from older policy versions",
                               "sql": "select id, trajectory_id, staleness from step_quality where staleness > 0 "
                                      "order by staleness desc limit 500"},
-                    "by_agent": {"title": "Steps by agent (user-agent)",
-                                 "sql": "select coalesce(json_extract(b.body, '$.\"user-agent\"'), '(none)') as "
-                                        "agent, count(*) as steps, sum(s.status != 'ok') as failed, "
-                                        "sum(s.token_provenance = 'exact') as exact_ids from steps s left join blobs b "
-                                        "on b.hash = s.headers_hash group by 1 order by steps desc"},
+                    "by_agent": {"title": "Steps by agent (the runner's name; user agent beside)",
+                                 "sql": f"select {AGENT} as agent, {USER_AGENT} as user_agent, count(*) as steps, "
+                                        "sum(s.status != 'ok') as failed, sum(s.token_provenance = 'exact') as "
+                                        "exact_ids from steps s left join trajectories t on t.id = s.trajectory_id "
+                                        f"{HEADERS_JOIN} group by 1, 2 order by steps desc"},
                     "trajectory_summary": {
                         "title": "Trajectories with step counts",
                         "sql": "select t.id, t.group_id, t.status, t.reward, count(s.id) as steps, "
