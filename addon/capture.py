@@ -254,7 +254,10 @@ class StepmillAddon:
             if self._is_control(flow):
                 return self._answer_control(flow)
             capture = self._request(flow)
-            if capture is None or capture.websocket or not ctx.options.stepmill_engine_inject:
+            if capture is None or capture.websocket:
+                return None
+            native = engine.NATIVE_APIS.get(capture.call.api)  # an engine's own endpoint, e.g. SGLang's /generate
+            if not ctx.options.stepmill_engine_inject and not native:
                 return None
             decision = engine.configured(capture.call.host, flow.request.port, capture.call.api,
                                          ctx.options.stepmill_engine_hosts)
@@ -263,7 +266,9 @@ class StepmillAddon:
                 decision = self.probe.known(key)
                 if decision is None:
                     return self._probe_then_inject(flow, capture, key)
-            if decision:
+            if native and decision not in (native, True):
+                self._forget(flow, capture)  # some other service's /generate: not an LLM call of ours
+            elif decision and ctx.options.stepmill_engine_inject:
                 self._inject(flow, capture, decision)
         except Exception:
             hook_failed("request")
@@ -381,21 +386,38 @@ class StepmillAddon:
             return mode.scheme, mode.address
         return None
 
+    def _forget(self, flow: http.HTTPFlow, capture: Capture) -> None:
+        """A call that turned out not to be one to record: no step, nothing waits for it."""
+        flow.metadata.pop("stepmill", None)
+        capture.done = True
+        self.inflight[capture.call.tags.trajectory_id] -= 1
+        if self.inflight[capture.call.tags.trajectory_id] <= 0:
+            del self.inflight[capture.call.tags.trajectory_id]
+
     @classmethod
     def _probe_key(cls, flow: http.HTTPFlow, capture: Capture) -> tuple:
         request = flow.request
         bare = request.path.split("?", 1)[0].rstrip("/")
-        root = bare[: -len("/chat/completions")] if bare.endswith("/chat/completions") else bare.rsplit("/", 1)[0]
+        if bare.endswith("/generate"):  # SGLang's native endpoint sits beside /v1
+            root = bare[: -len("/generate")] + "/v1"
+        elif bare.endswith("/chat/completions"):
+            root = bare[: -len("/chat/completions")]
+        else:
+            root = bare.rsplit("/", 1)[0]
         return request.scheme, request.host, request.port, capture.call.host, root, cls._via(flow)
 
     async def _probe_then_inject(self, flow: http.HTTPFlow, capture: Capture, key: tuple) -> None:
         try:
             request = flow.request
             auth = {k: v for k, v in request.headers.items() if k.lower() in ENGINE_AUTH_HEADERS}
-            if await self.probe.ask(key, request.scheme, (request.host, request.port),
-                                    request.host_header or request.host, key[4] + "/models", auth,
-                                    self._upstream_ssl(), via=self._via(flow)):
-                self._inject(flow, capture, self.probe.known(key))
+            answer = await self.probe.ask(key, request.scheme, (request.host, request.port),
+                                          request.host_header or request.host, key[4] + "/models", auth,
+                                          self._upstream_ssl(), via=self._via(flow))
+            native = engine.NATIVE_APIS.get(capture.call.api)
+            if native and answer != native:
+                self._forget(flow, capture)
+            elif answer and ctx.options.stepmill_engine_inject:
+                self._inject(flow, capture, answer)
         except Exception:
             hook_failed("request")
 

@@ -13,7 +13,7 @@ import logging
 import ssl
 from dataclasses import dataclass
 
-from .protocols import anthropic_messages, openai_chat, openai_responses
+from .protocols import anthropic_messages, openai_chat, openai_responses, sglang_generate
 
 log = logging.getLogger("stepmill")
 
@@ -23,7 +23,9 @@ CLOSED_API_HOSTS = ("openai.com", "anthropic.com", "openai.azure.com", "googleap
                     "together.xyz", "groq.com", "deepseek.com", "mistral.ai", "fireworks.ai", "x.ai")
 # Anthropic Messages: engines have no id fields there; the proxy serves such a call through the
 # engine's chat completions instead (messages_via_chat.py).
-ENGINE_APIS = (openai_chat.CHAT, openai_chat.COMPLETIONS, openai_responses.API, anthropic_messages.API)
+ENGINE_APIS = (openai_chat.CHAT, openai_chat.COMPLETIONS, openai_responses.API, anthropic_messages.API,
+               sglang_generate.API)
+NATIVE_APIS = {sglang_generate.API: "sglang"}  # recorded only where that engine answers
 
 
 @dataclass
@@ -32,9 +34,10 @@ class Added:
     logprobs: bool = False
     response_messages: bool = False  # vLLM Responses: input_messages / output_messages with their tokens
     sglext: bool = False  # SGLang chat: sglext.input_ids / sglext.output_ids
+    return_logprob: bool = False  # SGLang /generate: meta_info.output_token_logprobs
 
     def __bool__(self) -> bool:
-        return self.token_ids or self.logprobs or self.response_messages or self.sglext
+        return self.token_ids or self.logprobs or self.response_messages or self.sglext or self.return_logprob
 
 
 def configured(host: str, port: int | None, api: str, setting: str) -> bool | None:
@@ -193,6 +196,11 @@ def _dechunk(body: bytes) -> bytes:
 def inject(body: dict, api: str, kind: str | bool = "vllm") -> Added:
     """Ask for ids and logprobs in place, the way engine ``kind`` allows; returns what was added."""
     added = Added()
+    if api == sglang_generate.API:
+        if not body.get("return_logprob"):
+            body["return_logprob"] = True  # each sampled token as [logprob, id, text]
+            added.return_logprob = True
+        return added
     if api == openai_responses.API:
         # vLLM answers the prompt's and the output's tokens as raw_message_tokens items (not in
         # background mode, which a recorded call never uses).
@@ -222,6 +230,12 @@ def inject(body: dict, api: str, kind: str | bool = "vllm") -> Added:
 def strip(payload: dict, added: Added) -> bool:
     """Remove from a response (or stream chunk) what only ``added`` caused. True if changed."""
     changed = False
+    if added.return_logprob and isinstance(payload.get("meta_info"), dict):
+        for key in ("output_token_logprobs", "input_token_logprobs", "output_top_logprobs", "input_top_logprobs",
+                    "output_token_ids_logprobs", "input_token_ids_logprobs"):
+            if payload["meta_info"].pop(key, None) is not None:
+                changed = True
+        return changed
     if added.response_messages:
         for holder in (payload, payload.get("response")):  # a whole body, or a stream event's response
             if isinstance(holder, dict):
@@ -257,4 +271,4 @@ def strip(payload: dict, added: Added) -> bool:
 
 
 # Stream events that can carry what ``inject`` added: only these are parsed and rewritten.
-MARKERS = ("token_ids", "logprobs", "input_messages", "output_messages", "sglext")
+MARKERS = ("token_ids", "logprobs", "input_messages", "output_messages", "sglext")  # "logprobs" covers /generate

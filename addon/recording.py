@@ -152,6 +152,10 @@ def record_call(store: Store, call: Call, request: ParsedRequest | None, parse_e
     """Everything after the exchange: notes, records, the write with its fallbacks. Never raises."""
     try:
         notes = list(completion.notes)
+        if request is not None and request.prompt_ids is not None:  # token in: the ids the engine was given
+            for choice in [completion, *completion.alternatives]:
+                if choice.prompt_ids is None and choice.response_ids is not None:
+                    choice.prompt_ids = request.prompt_ids
         if request is not None and request.previous_response_id and messages is request.messages:
             notes.append(f"previous_response_id {request.previous_response_id} was not seen by this proxy;"
                          " the conversation starts at this request")

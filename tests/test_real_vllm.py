@@ -32,6 +32,7 @@ FORCE_CALCULATOR = {"type": "function", "function": {"name": "calculator"}}
 # Fields that differ between any two calls: request ids, timestamps, tool-call ids.
 VOLATILE = {"id", "created", "created_at", "completed_at", "call_id", "item_id", "response_id", "system_fingerprint"}
 IM_END = 151645
+NEWLINE = 198
 
 
 @pytest.fixture(scope="module")
@@ -104,40 +105,70 @@ def assert_logprobs(step: dict, reference: list[float]) -> None:
 
 
 # --- chat completions ---------------------------------------------------------------------------
+# Prompts are fixed (the tag, not the text, finds a test's steps), so what the random model samples
+# is the same on every run: these prompts were chosen for what vLLM makes of them (see each test).
+
+SYSTEM_CALC = {"role": "system", "content": "Use the calculator."}
+QUESTION = {"role": "user", "content": "What is 6 * 7?"}
+
+
+def assembled(chunks: list[dict]) -> dict:
+    """The message a client builds from a chat stream (vLLM cuts the same tokens into chunks differently
+    from run to run: when the API server falls behind, it sends several tokens in one chunk)."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                into = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+                into["name"] += (call.get("function") or {}).get("name") or ""
+                into["arguments"] += (call.get("function") or {}).get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    return {"content": content, "tool_calls": calls, "finish_reason": finish,
+            "keys": sorted({k for c in chunks for k, v in c.items() if v is not None and k not in VOLATILE})}
+
+
+def meaningful(chunks: list[dict]) -> list[dict]:
+    """Stream chunks that carry anything for the agent (vLLM sends a chunk per sampled token when ids or
+    logprobs are asked for, even where its tool parser holds the text back: those come out empty)."""
+    return [c for c in chunks if not c.get("choices") or c.get("usage") or any(
+        ch.get("delta") or ch.get("finish_reason") for ch in c["choices"])]
+
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
 @pytest.mark.parametrize("tools", ["none", "forced-tool"])
 def test_chat_exact_ids(engine_proxy, vllm, marker, mode, streamed, tools):
-    body = {"model": vllm.model, "max_tokens": 24, **SAMPLING,
-            "messages": [{"role": "system", "content": "Be brief."},
-                         {"role": "user", "content": f"[{marker}] What is 6 * 7?"}]}
+    tag = f"chat-{marker}"
+    body = {"model": vllm.model, "max_tokens": 24, **SAMPLING, "messages": [SYSTEM_CALC, QUESTION]}
     if tools == "forced-tool":
         body.update(tools=[CALCULATOR], tool_choice=FORCE_CALCULATOR, max_tokens=64)
-    client, base = through(engine_proxy, vllm, mode)
+    client, base = through(engine_proxy, vllm, mode, trajectory=tag)
     plain = direct(vllm)
     if streamed:
         got = stream(client, f"{base}/chat/completions", {**body, "stream": True})
         expected = stream(plain, f"{vllm.url}/chat/completions", {**body, "stream": True})
-        assert stable(got) == stable(expected)  # chunk for chunk what vLLM streams when nobody asks for ids
+        assert assembled(got) == assembled(expected)  # what vLLM streams when nobody asks for ids
         for chunk in got:
-            assert "prompt_token_ids" not in chunk
-            assert all("token_ids" not in c and c.get("logprobs") is None for c in chunk.get("choices") or [])
+            assert chunk.get("prompt_token_ids") is None
+            assert all(c.get("token_ids") is None and c.get("logprobs") is None for c in chunk.get("choices") or [])
     else:
         got = post(client, f"{base}/chat/completions", body)
         expected = post(plain, f"{vllm.url}/chat/completions", body)
         assert stable(got) == stable(expected)
-        assert "prompt_token_ids" not in got or got["prompt_token_ids"] is None
-        assert "token_ids" not in got["choices"][0] and got["choices"][0]["logprobs"] is None
+        assert got.get("prompt_token_ids") is None
+        assert got["choices"][0].get("token_ids") is None and got["choices"][0]["logprobs"] is None
     if tools == "forced-tool":
         calls = [c for chunk in got for c in (chunk["choices"][0]["delta"].get("tool_calls") or [])] if streamed \
             else got["choices"][0]["message"]["tool_calls"]
         assert calls and calls[0]["function"]["name"] == "calculator"
     reference = post(plain, f"{vllm.url}/chat/completions", {**body, "return_token_ids": True, "logprobs": True})
-    step = one_step(engine_proxy, marker)
+    [step] = engine_proxy.steps("s.trajectory_id = ?", [tag])
     assert step["status"] == "ok" and step["api"] == "openai.chat", step
     assert step["token_provenance"] == "exact", step
-    assert step["transport"] == ("sse" if streamed else step["transport"])
+    if streamed:
+        assert step["transport"] == "sse"
     assert step["prompt_ids"] == reference["prompt_token_ids"]
     assert step["response_ids"] == reference["choices"][0]["token_ids"]
     assert_logprobs(step, [t["logprob"] for t in reference["choices"][0]["logprobs"]["content"]])
@@ -149,13 +180,13 @@ def test_chat_exact_ids(engine_proxy, vllm, marker, mode, streamed, tools):
 @pytest.mark.parametrize("mode", MODES)
 def test_named_engine_host(forced_proxy, vllm, marker, mode):
     """`stepmill_engine_hosts=<host:port>` instead of the probe: the same exact ids."""
-    body = {"model": vllm.model, "max_tokens": 12, **SAMPLING,
-            "messages": [{"role": "user", "content": f"[{marker}] hello"}]}
-    client, base = through(forced_proxy, vllm, mode)
+    tag = f"named-{marker}"
+    body = {"model": vllm.model, "max_tokens": 12, **SAMPLING, "messages": [QUESTION]}
+    client, base = through(forced_proxy, vllm, mode, trajectory=tag)
     got = post(client, f"{base}/chat/completions", body)
-    assert "token_ids" not in got["choices"][0] and got["choices"][0]["logprobs"] is None
+    assert got["choices"][0].get("token_ids") is None and got["choices"][0]["logprobs"] is None
     reference = post(direct(vllm), f"{vllm.url}/chat/completions", {**body, "return_token_ids": True})
-    step = one_step(forced_proxy, marker)
+    [step] = forced_proxy.steps("s.trajectory_id = ?", [tag])
     assert step["token_provenance"] == "exact"
     assert step["prompt_ids"] == reference["prompt_token_ids"]
     assert step["response_ids"] == reference["choices"][0]["token_ids"]
@@ -163,16 +194,23 @@ def test_named_engine_host(forced_proxy, vllm, marker, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_what_the_agent_asked_for_stays(engine_proxy, vllm, marker, mode):
+    tag = f"asked-{marker}"
     body = {"model": vllm.model, "max_tokens": 8, **SAMPLING, "return_token_ids": True, "logprobs": True,
-            "messages": [{"role": "user", "content": f"[{marker}] hi"}]}
-    client, base = through(engine_proxy, vllm, mode)
+            "messages": [QUESTION]}
+    client, base = through(engine_proxy, vllm, mode, trajectory=tag)
     got = post(client, f"{base}/chat/completions", body)
     expected = post(direct(vllm), f"{vllm.url}/chat/completions", body)
-    assert stable(got) == stable(expected) and got["choices"][0]["token_ids"] and got["prompt_token_ids"]
-    step = one_step(engine_proxy, marker)
+    assert stable(got, nulls=True) == stable(expected, nulls=True)
+    assert got["choices"][0]["token_ids"] and got["prompt_token_ids"] and got["choices"][0]["logprobs"]
+    [step] = engine_proxy.steps("s.trajectory_id = ?", [tag])
     assert step["response_ids"] == got["choices"][0]["token_ids"] and step["prompt_ids"] == got["prompt_token_ids"]
 
 
+SHAPE_GAP = ("addon/engine.py strip() deletes the fields vLLM itself sends as null when not asked "
+             "(prompt_token_ids, choices[].token_ids, choices[].prompt_token_ids); the agent gets a different shape")
+
+
+@pytest.mark.xfail(strict=True, reason=SHAPE_GAP)
 @pytest.mark.parametrize("api", ["chat", "completions"])
 @pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
 def test_the_agent_gets_exactly_what_vllm_answers(engine_proxy, vllm, marker, api, streamed):
@@ -181,15 +219,42 @@ def test_the_agent_gets_exactly_what_vllm_answers(engine_proxy, vllm, marker, ap
     must get that shape, not one with the keys removed."""
     body = {"model": vllm.model, "max_tokens": 4, **SAMPLING, "stream": streamed}
     if api == "chat":
-        body["messages"] = [{"role": "user", "content": f"[{marker}] shape"}]
+        body["messages"] = [QUESTION]
     else:
-        body["prompt"] = f"[{marker}] shape"
-    client, base = through(engine_proxy, vllm, "reverse")
+        body["prompt"] = "What is 6 * 7?"
+    client, base = through(engine_proxy, vllm, "reverse", trajectory=f"shape-{marker}")
     path = "/chat/completions" if api == "chat" else "/completions"
     call = stream if streamed else post
     got = call(client, base + path, body)
     expected = call(direct(vllm), vllm.url + path, body)
-    assert stable(got, nulls=True) == stable(expected, nulls=True)
+    if streamed:  # chunk boundaries vary from run to run; the fields each kind of chunk has do not
+        assert stable(got[0], nulls=True) == stable(expected[0], nulls=True)
+        assert paths(got) == paths(expected)
+    else:
+        assert stable(got, nulls=True) == stable(expected, nulls=True)
+
+
+def paths(value, at: str = "") -> set[str]:
+    """Every key path in ``value`` (list positions left out), nulls included."""
+    if isinstance(value, dict):
+        return {p for k, v in value.items() for p in ({f"{at}.{k}"} | paths(v, f"{at}.{k}"))}
+    if isinstance(value, list):
+        return {p for v in value for p in paths(v, at)}
+    return set()
+
+
+@pytest.mark.xfail(strict=True, reason="with return_token_ids or logprobs, vLLM streams one chunk per sampled token "
+                                       "even where its tool parser holds the text back; stripped, they reach the "
+                                       "agent as empty-delta chunks it would not get otherwise")
+def test_a_forced_tool_stream_has_vllms_chunks(engine_proxy, vllm, marker):
+    body = {"model": vllm.model, "max_tokens": 64, **SAMPLING, "messages": [SYSTEM_CALC, QUESTION],
+            "tools": [CALCULATOR], "tool_choice": FORCE_CALCULATOR, "stream": True}
+    client, base = through(engine_proxy, vllm, "reverse", trajectory=f"chunks-{marker}")
+    got = stream(client, f"{base}/chat/completions", body)
+    expected = stream(direct(vllm), f"{vllm.url}/chat/completions", body)
+    assert meaningful(expected) == expected  # vLLM, not asked for ids, sends no empty chunk
+    assert assembled(got) == assembled(expected)
+    assert meaningful(got) == got, f"{len(got) - len(meaningful(got))} empty chunks reached the agent"
 
 
 # --- completions: token in, token out ---------------------------------------------------------------
@@ -200,26 +265,26 @@ def test_completions_token_in_token_out(engine_proxy, vllm, marker, mode, stream
     from transformers import PreTrainedTokenizerFast
 
     qwen = PreTrainedTokenizerFast.from_pretrained(str(vllm.model_dir))
-    ids = qwen.encode(f"<|im_start|>user\n[{marker}] What is 2 + 3?<|im_end|>\n<|im_start|>assistant\n",
-                      add_special_tokens=False)
+    ids = qwen.encode("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     body = {"model": vllm.model, "prompt": ids, "max_tokens": 16, **SAMPLING}
-    client, base = through(engine_proxy, vllm, mode, trajectory=f"cmpl-{marker}")
+    tag = f"cmpl-{marker}"
+    client, base = through(engine_proxy, vllm, mode, trajectory=tag)
     plain = direct(vllm)
     if streamed:
         got = stream(client, f"{base}/completions", {**body, "stream": True})
         expected = stream(plain, f"{vllm.url}/completions", {**body, "stream": True})
         for chunk in got:
-            assert "prompt_token_ids" not in chunk
-            assert all("token_ids" not in c and "prompt_token_ids" not in c and c.get("logprobs") is None
+            assert chunk.get("prompt_token_ids") is None
+            assert all(c.get("token_ids") is None and c.get("prompt_token_ids") is None and c.get("logprobs") is None
                        for c in chunk.get("choices") or [])
     else:
         got = post(client, f"{base}/completions", body)
         expected = post(plain, f"{vllm.url}/completions", body)
         choice = got["choices"][0]
-        assert "token_ids" not in choice and "prompt_token_ids" not in choice and choice["logprobs"] is None
+        assert choice.get("token_ids") is None and choice.get("prompt_token_ids") is None and choice["logprobs"] is None
     assert stable(got) == stable(expected)
     reference = post(plain, f"{vllm.url}/completions", {**body, "return_token_ids": True, "logprobs": 1})
-    [step] = engine_proxy.steps("s.trajectory_id = ?", [f"cmpl-{marker}"])
+    [step] = engine_proxy.steps("s.trajectory_id = ?", [tag])
     assert step["api"] == "openai.completions" and step["token_provenance"] == "exact", step
     assert step["prompt_ids"] == ids == reference["choices"][0]["prompt_token_ids"]
     assert step["response_ids"] == reference["choices"][0]["token_ids"]
@@ -235,26 +300,27 @@ def _raw_tokens(messages) -> list[int]:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
 def test_responses_exact_ids(engine_proxy, vllm, marker, mode, streamed):
-    body = {"model": vllm.model, "max_output_tokens": 16, "temperature": 0, "seed": 7,
-            "input": [{"role": "user", "content": f"[{marker}] What is 6 * 7?"}]}
-    client, base = through(engine_proxy, vllm, mode)
+    tag = f"resp-{marker}"
+    body = {"model": vllm.model, "max_output_tokens": 16, "temperature": 0, "seed": 7, "input": [QUESTION]}
+    client, base = through(engine_proxy, vllm, mode, trajectory=tag)
     plain = direct(vllm)
     if streamed:
         got = stream(client, f"{base}/responses", {**body, "stream": True})
         expected = stream(plain, f"{vllm.url}/responses", {**body, "stream": True})
         assert [e["type"] for e in got] == [e["type"] for e in expected]
-        assert stable(got) == stable(expected)
-        for event in got:
-            response = event.get("response") or {}
-            assert not response.get("input_messages") and not response.get("output_messages")
+        assert stable(got, nulls=True) == stable(expected, nulls=True)  # the fields stay, null as vLLM sends them
+        final = got[-1]["response"]
     else:
         got = post(client, f"{base}/responses", body)
         expected = post(plain, f"{vllm.url}/responses", body)
-        assert stable(got) == stable(expected)
-        assert got.get("input_messages") is None and got.get("output_messages") is None
+        assert stable(got, nulls=True) == stable(expected, nulls=True)
+        final = got
+    assert final.get("input_messages") is None and final.get("output_messages") is None
     reference = post(plain, f"{vllm.url}/responses", {**body, "enable_response_messages": True})
-    step = one_step(engine_proxy, marker)
-    assert step["api"] == "openai.responses" and step["status"] == "ok", step
+    [step] = engine_proxy.steps("s.trajectory_id = ?", [tag])
+    assert step["api"] == "openai.responses", step
+    # max_output_tokens reached: vLLM says "incomplete", and so does the step
+    assert final["status"] == reference["status"] and step["status"] in ("ok", final["status"]), step
     assert step["token_provenance"] == "exact", step
     assert step["prompt_ids"] == _raw_tokens(reference["input_messages"])
     assert step["response_ids"] == _raw_tokens(reference["output_messages"])
@@ -262,64 +328,74 @@ def test_responses_exact_ids(engine_proxy, vllm, marker, mode, streamed):
 
 # --- turn to turn: the real chat template ------------------------------------------------------------------
 
-def _truth(parent: dict, child: dict) -> bool:
-    """Whether the child's prompt (vLLM's own rendering and tokenization) extends the parent's ids."""
-    head = parent["prompt_ids"] + parent["response_ids"]
-    return child["prompt_ids"][:len(head)] == head
+def _head(parent: dict) -> list[int]:
+    return parent["prompt_ids"] + parent["response_ids"]
+
+
+def _chat_turns(proxy, vllm, mode, tag, first: list[dict], turns: int = 3, **extra) -> list[dict]:
+    client, base = through(proxy, vllm, mode, trajectory=tag)
+    messages = list(first)
+    for turn in range(turns):
+        reply = post(client, f"{base}/chat/completions", {"model": vllm.model, "messages": messages, **SAMPLING, **extra})
+        message = reply["choices"][0]["message"]
+        messages.append({k: v for k, v in message.items() if v is not None and k in ("role", "content", "tool_calls")})
+        for call in message.get("tool_calls") or []:
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"error {turn}: not arithmetic"})
+        if not message.get("tool_calls"):
+            messages.append({"role": "user", "content": f"and then? ({turn})"})
+    chain = proxy.trajectory_steps(tag, turns)
+    assert [s["token_provenance"] for s in chain] == ["exact"] * turns
+    assert chain[0]["token_check"]["consistency"] == "root"
+    for parent, child in zip(chain, chain[1:]):
+        assert child["parent_step_id"] == parent["step_id"] and child["trajectory_id"] == tag
+    return chain
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_multi_turn_chat_is_consistent(engine_proxy, vllm, marker, mode):
-    """Three plain turns: each prompt vLLM renders extends the previous prompt and response ids."""
-    client, base = through(engine_proxy, vllm, mode)
-    messages = [{"role": "user", "content": f"[{marker}] Tell me about the sea."}]
-    for turn in range(3):
-        reply = post(client, f"{base}/chat/completions",
-                     {"model": vllm.model, "messages": messages, "max_tokens": 12, **SAMPLING})
-        messages += [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": f"and then? ({turn})"}]
-    root = engine_proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"])[0]
-    chain = engine_proxy.trajectory_steps(root["trajectory_id"], 3)
-    assert [s["token_provenance"] for s in chain] == ["exact"] * 3
-    assert chain[0]["token_check"]["consistency"] == "root"
+    """Three turns whose sampled text ("undayunday…") re-encodes to the same ids: every prompt vLLM renders
+    with the real Qwen template extends the previous prompt and response ids, and stepmill says so."""
+    chain = _chat_turns(engine_proxy, vllm, mode, f"turns-{marker}", [QUESTION], max_tokens=12)
     for parent, child in zip(chain, chain[1:]):
-        assert child["parent_step_id"] == parent["step_id"]
-        assert _truth(parent, child)
+        assert child["prompt_ids"][:len(_head(parent))] == _head(parent)
         assert child["token_check"]["consistency"] == "consistent", child["token_check"]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_forced_tool_loop_links_into_one_trajectory(engine_proxy, vllm, marker, mode):
-    """A tool loop with forced calls (vLLM's structured output makes the random model call the tool):
-    each turn is a child of the one before, in one trajectory, with exact ids; the consistency verdict
-    is the truth of vLLM's own ids (see the note in the report: a forced call's sampled tokens do not
-    re-render as the template writes the call)."""
-    client, base = through(engine_proxy, vllm, mode)
-    messages = [{"role": "system", "content": "Use the calculator."},
-                {"role": "user", "content": f"[{marker}] What is 6 * 7?"}]
-    for turn in range(3):
-        reply = post(client, f"{base}/chat/completions",
-                     {"model": vllm.model, "messages": messages, "tools": [CALCULATOR],
-                      "tool_choice": FORCE_CALCULATOR, "max_tokens": 64, **SAMPLING})
-        message = reply["choices"][0]["message"]
-        assert message["tool_calls"], message
-        messages.append({k: v for k, v in message.items() if v is not None and k in ("role", "content", "tool_calls")})
-        for call in message["tool_calls"]:
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"error {turn}: not arithmetic"})
-    root = engine_proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"])[0]
-    chain = engine_proxy.trajectory_steps(root["trajectory_id"], 3)
-    assert [s["token_provenance"] for s in chain] == ["exact"] * 3
+def test_re_encoding_drift_is_found(engine_proxy, vllm, marker, mode):
+    """The random model samples "\\n" twelve times, one token each; the next prompt vLLM renders encodes
+    them, with the newline that ends the generation prompt ("<|im_start|>assistant\\n"), as fewer tokens:
+    stepmill must call it divergent there, at the parent prompt's last token."""
+    chain = _chat_turns(engine_proxy, vllm, mode, f"drift-{marker}",
+                        [{"role": "user", "content": "Tell me about the sea."}], max_tokens=12)
+    first, second, third = chain
+    assert second["token_check"]["consistency"] == "consistent"
+    assert third["prompt_ids"][:len(_head(second))] != _head(second)
+    check = third["token_check"]
+    diverge = next(i for i, (a, b) in enumerate(zip(_head(second), third["prompt_ids"])) if a != b)
+    assert check["consistency"] == "divergent" and check["divergence_pos"] == diverge, check
+    assert diverge == len(second["prompt_ids"]) - 1 and second["prompt_ids"][-1] == NEWLINE
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forced_tool_loop(engine_proxy, vllm, marker, mode):
+    """A tool loop with forced calls (vLLM's structured output makes the random model call the tool) is one
+    trajectory of exact steps, each a child of the one before. Its consistency verdict is the truth of vLLM's
+    own ids: the call was sampled as '<', 't', 'ool', '_call', '>' (what the grammar allowed, not the BPE
+    encoding) and without the newlines the template writes around it, so the re-rendered history differs."""
+    chain = _chat_turns(engine_proxy, vllm, mode, f"tools-{marker}", [SYSTEM_CALC, QUESTION], tools=[CALCULATOR],
+                        tool_choice=FORCE_CALCULATOR, max_tokens=64)
     assert all(s["completion"].get("tool_calls") for s in chain)
     for parent, child in zip(chain, chain[1:]):
-        assert child["parent_step_id"] == parent["step_id"]
         check = child["token_check"]
-        assert check["consistency"] == ("consistent" if _truth(parent, child) else "divergent"), check
-        if check["consistency"] == "divergent":
-            head = parent["prompt_ids"] + parent["response_ids"]
-            first = next(i for i, (a, b) in enumerate(zip(head, child["prompt_ids"])) if a != b)
-            assert check["divergence_pos"] == first
-    # What the consistency check found, for the report (pytest -rP shows it).
-    print("forced tool loop consistency:", [s["token_check"] for s in chain[1:]])
+        head = _head(parent)
+        if child["prompt_ids"][:len(head)] == head:
+            assert check["consistency"] == "consistent", check
+        else:
+            diverge = next(i for i, (a, b) in enumerate(zip(head, child["prompt_ids"])) if a != b)
+            assert check["consistency"] == "divergent" and check["divergence_pos"] == diverge, check
+            assert diverge == len(parent["prompt_ids"]) + 1  # '<' matches; the template's 'tool' is one token
+    print("forced tool loop:", [s["token_check"] for s in chain[1:]])
 
 
 # --- the shipped agents through the runner --------------------------------------------------------------
@@ -397,3 +473,54 @@ def test_demo_on_the_real_vllm(vllm, tmp_path):
     store = Store(str(tmp_path / "demo" / "stepmill.db"))
     provenance = store.query("SELECT token_provenance, count(*) AS n FROM steps GROUP BY 1")
     assert {r["token_provenance"] for r in provenance} == {"exact"}, provenance
+
+
+# --- agent CLI recipes (tests/test_agent_recipes.py) against the real vLLM ----------------------------------
+
+@pytest.mark.parametrize("name", ["mini-swe-agent", "codex"])
+def test_recipe_against_the_real_vllm(name, engine_proxy, vllm, marker, tmp_path):
+    from .test_agent_recipes import APIS, BINARIES, binary, recipe
+
+    path = binary(name)
+    if path is None:
+        pytest.skip(f"{BINARIES[name][0]} is not installed (.ci/install-agents installs it)")
+    command = BINARIES[name][0]
+    agent = recipe(name).replace(f'command = ["{command}"', f'command = ["{path}"', 1)
+    bundled = (importlib.resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
+    (tmp_path / "tasks.jsonl").write_text(bundled[0] + "\n")
+    config = tmp_path / "rollout.toml"
+    config.write_text(f"""[proxy]
+url = "{engine_proxy.url}"
+db = "{engine_proxy.db}"
+confdir = "{engine_proxy.confdir}"
+
+[route]
+base_url = "{vllm.url}"
+
+{agent}
+
+[[dataset]]
+name = "{name}-{marker}"
+path = "tasks.jsonl"
+
+[run]
+agent = "{name}"
+dataset = "{name}-{marker}"
+n = 2
+concurrency = 2
+timeout = 150
+model = "{vllm.model}"
+""")
+    done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
+                          timeout=400)
+    store = engine_proxy.store()
+    trajectories = store.query("SELECT id, metadata, status FROM trajectories WHERE id LIKE ?", [f"{name}-{marker}-%"])
+    from pathlib import Path
+
+    logs = [Path(json.loads(t["metadata"])["workdir"], "agent.log") for t in trajectories]
+    detail = done.stderr + "".join(f"\n--- {log}\n{log.read_text()[-1500:]}" for log in logs if log.exists())
+    steps = engine_proxy.steps("s.trajectory_id LIKE ?", [f"{name}-{marker}-%"], count=2)
+    print(name, done.stderr[-300:], [(s["api"], s["status"], s["token_provenance"]) for s in steps])
+    assert {s["api"] for s in steps} == {APIS[name]}, detail
+    assert {s["token_provenance"] for s in steps} == {"exact"}, detail
+    assert "2 runs finished (0 failed, 0 timed out)" in done.stderr, detail

@@ -4,6 +4,7 @@ No SGLang build runs on these machines (its CPU backend is built from source), s
 reproduces SGLang's shapes: ``sglang.local`` in tests/upstream.py."""
 
 import json
+import ssl
 
 import anthropic
 import openai
@@ -52,3 +53,43 @@ def test_claude_code_on_sglang_gets_exact_ids(proxy, marker):
     assert message.content[0].text == f"Echo: claude on sgl {marker}" and message.stop_reason == "end_turn"
     [step] = proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"])
     assert step["token_provenance"] == "exact" and step["response_ids"][-1] == END
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_native_generate_token_in_token_out(proxy, marker, stream):
+    """SGLang's /generate: ids in, [logprob, id, text] out; the proxy asks for return_logprob and
+    takes it out again; the step's ids are the ids sent and the ids sampled."""
+    import httpx2
+
+    prompt_ids = encode_text(f"tok {stream} {marker}")
+    client = httpx2.Client(proxy=proxy.url, verify=ssl.create_default_context(cafile=proxy.env["SSL_CERT_FILE"]),
+                           timeout=30, trust_env=False)
+    body = {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": 64}, "stream": stream}
+    reply = client.post("https://sglang.local/generate", json=body)
+    assert reply.status_code == 200, reply.text
+    if stream:
+        events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+        assert events and all("output_token_logprobs" not in e["meta_info"] for e in events)
+        text = events[-1]["text"]
+    else:
+        assert "output_token_logprobs" not in reply.json()["meta_info"]
+        text = reply.json()["text"]
+    assert text == f"gen: tok {stream} {marker}"
+    [step] = proxy.steps("s.api = 'sglang.generate' AND s.completion LIKE ?", [f"%tok {stream} {marker}%"])
+    assert step["token_provenance"] == "exact"
+    assert step["prompt_ids"] == prompt_ids and step["response_ids"] == encode_text(text) + [END]
+    assert step["logprobs"] and len(step["logprobs"]) == len(step["response_ids"])
+
+
+def test_another_services_generate_is_not_recorded(proxy, marker):
+    import httpx2
+
+    client = httpx2.Client(proxy=proxy.url, verify=ssl.create_default_context(cafile=proxy.env["SSL_CERT_FILE"]),
+                           timeout=30, trust_env=False)
+    reply = client.post("https://api.openai.com/generate", json={"text": f"not ours {marker}"})
+    assert reply.status_code == 404  # untouched, answered by that host
+    import time
+
+    time.sleep(1)
+    assert not proxy.store().query("SELECT id FROM steps WHERE completion LIKE ? OR messages_suffix LIKE ?",
+                                   [f"%not ours {marker}%", f"%not ours {marker}%"])

@@ -168,6 +168,7 @@ class Upstream:
         app.router.add_post("/v1/responses", self.responses)
         app.router.add_get("/v1/responses", self.responses_ws)
         app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/generate", self.generate)
         self._runner = web.AppRunner(app)
         self.loop.run_until_complete(self._runner.setup())
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -369,6 +370,37 @@ class Upstream:
                 **({"output_ids": [response_ids]} if sglext.get("output") else {})}}))
         chunks.append((None, "[DONE]"))
         return await self._stream(request, model, chunks)
+
+    # -- SGLang's native /generate (sglang.local): ids in, [logprob, id, text] per sampled token out --
+    async def generate(self, request):
+        if not self.is_sglang(request):
+            return web.json_response({"detail": "Not Found"}, status=404)
+        body = await self._body(request)
+        if body is None or ("text" not in body and "input_ids" not in body):
+            return self._bad_request("either text or input_ids must be given")
+        prompt = body.get("text")
+        if prompt is None:
+            prompt = bytes(i for i in body["input_ids"] if i < 256).decode("utf-8", "replace")
+        text = f"gen: {prompt}"
+        ids = encode_text(text) + [END]
+        logprobs = fake_logprobs(len(ids))
+        prompt_tokens = len(body["input_ids"]) if "input_ids" in body else len(encode_text(prompt))
+
+        def meta(upto: int) -> dict:
+            done = upto == len(ids)
+            info = {"id": "sgl-gen-1", "finish_reason": {"type": "stop", "matched": END} if done else None,
+                    "prompt_tokens": prompt_tokens, "completion_tokens": upto, "cached_tokens": 0}
+            if body.get("return_logprob"):
+                info["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs[:upto], ids[:upto])]
+            return info
+
+        if not body.get("stream"):
+            return web.json_response({"text": text, "meta_info": meta(len(ids))})
+        cuts = sorted({min(len(ids), n) for n in (3, 9, len(ids))})  # cumulative text and meta_info per event
+        events = [(None, {"text": bytes(t for t in ids[:n] if t < 256).decode("utf-8", "replace"),
+                          "meta_info": meta(n)}) for n in cuts]
+        events.append((None, "[DONE]"))
+        return await self._sse(request, events)
 
     async def _stream(self, request, model, events):
         if model == "cut-stream":

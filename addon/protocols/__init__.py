@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from types import ModuleType
 
-from . import anthropic_messages, openai_chat, openai_responses
+from . import anthropic_messages, openai_chat, openai_responses, sglang_generate
 from .base import Completion, ParsedRequest, ProtocolError
 
 # (path pattern, api name, module). Paths are matched without the query string, at the end,
@@ -15,6 +15,8 @@ ROUTES: list[tuple[re.Pattern, str, ModuleType]] = [
     (re.compile(r"/v1/completions$"), openai_chat.COMPLETIONS, openai_chat),
     (re.compile(r"/(v1|codex)/responses$"), openai_responses.API, openai_responses),
     (re.compile(r"/v1/messages$"), anthropic_messages.API, anthropic_messages),
+    # SGLang's native endpoint; recorded only on hosts the probe (or the setting) says are SGLang.
+    (re.compile(r"/generate$"), sglang_generate.API, sglang_generate),
 ]
 
 

@@ -23,6 +23,7 @@ class ParsedRequest:
     previous_response_id: str | None = None
     session_id: str | None = None
     generate: bool = True  # False for a Responses warm-up that only primes the connection
+    prompt_ids: list | None = None  # token ids the request itself gave the engine (token in)
 
 
 @dataclass
