@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo proxy ui test bench bench-proxy bench-store
+.PHONY: demo proxy ui test bench bench-proxy bench-store bench-ui bench-engine
 
 $(PY): pyproject.toml
 	"$$(.ci/find-python)" -m venv $(VENV)
@@ -25,11 +25,14 @@ test: $(PY)
 bench: $(PY)
 	$(PY) -m bench.capture_bench
 
-bench-demo: $(PY)
-	$(VENV)/bin/stepmill demo
-
-proxy: $(PY)
+bench-proxy: $(PY)
 	$(PY) -m bench.proxy_bench
 
 bench-store: $(PY)
 	$(PY) -m bench.store_bench
+
+bench-ui: $(PY)
+	$(PY) -m bench.ui_bench
+
+bench-engine: $(PY)
+	$(PY) -m bench.engine_bench

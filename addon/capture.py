@@ -44,6 +44,7 @@ from .writer import PRIORITIES, Handoff, ProcessWriter, ThreadWriter
 
 log = logging.getLogger("stepmill")
 ENGINE_AUTH_HEADERS = ("authorization", "x-api-key", "api-key")
+WRITERS = ("process", "thread")
 POLICY_REFRESH = 0.5  # seconds between checks for a policy version (or runs) set by another process
 BARRIER_TIMEOUT = 60.0  # seconds a barrier waits for in-flight calls and the writer at most
 BARRIER_POLL = 0.02
@@ -122,20 +123,23 @@ class StepmillAddon:
                           "Host name the control API answers on through the proxy (no DNS needed).")
         loader.add_option("stepmill_writer", str, "process",
                           "Where steps are parsed and written: 'process' (a writer process of its own, on "
-                          "another core) or 'thread' (a thread of the proxy).")
+                          "another core) or 'thread' (a thread of the proxy).", choices=WRITERS)
         loader.add_option("stepmill_writer_priority", str, "idle",
                           "CPU priority of the writer process: 'idle' (it runs only when a core is free, never "
                           "delaying the proxy, agents or engines; commits lag while every core is busy), 'low' "
-                          "(nice 10) or 'normal'.")
+                          "(nice 10) or 'normal'.", choices=PRIORITIES)
         loader.add_option("stepmill_max_body", int, 64 * 1024 * 1024,
                           "Bytes stepmill keeps of one call's request and of its response (decoded too); past it "
                           "the bytes still pass through unchanged, and the step is recorded as truncated. "
                           "Bounds the proxy's memory for a stream that never ends. 0: no limit.")
 
     def configure(self, updated):
-        if ctx.options.stepmill_writer_priority not in PRIORITIES:
-            raise exceptions.OptionsError(f"stepmill_writer_priority must be one of {', '.join(PRIORITIES)}, "
-                                          f"not {ctx.options.stepmill_writer_priority!r}")
+        for name, choices in (("stepmill_writer", WRITERS), ("stepmill_writer_priority", PRIORITIES)):
+            if getattr(ctx.options, name) not in choices:  # mitmproxy shows choices= but leaves the check to us
+                raise exceptions.OptionsError(f"{name} must be one of {', '.join(choices)}, "
+                                              f"not {getattr(ctx.options, name)!r}")
+        if ctx.options.stepmill_max_body < 0:
+            raise exceptions.OptionsError("stepmill_max_body must be 0 (no limit) or a number of bytes")
         if self.db_path is None or updated & {"stepmill_db", "stepmill_writer", "stepmill_writer_priority"}:
             self._stop_pipeline()
             self.db_path = ctx.options.stepmill_db

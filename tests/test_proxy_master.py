@@ -134,3 +134,11 @@ print(inside == os.SCHED_OTHER, after == os.SCHED_IDLE, p.idle)
     permitted = os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= 10
     # Permitted: out of SCHED_IDLE inside, back after. Not: idle throughout, and it stops trying.
     assert out == (["True", "True", "True"] if permitted else ["False", "True", "False"])
+
+
+def test_a_misspelt_choice_is_an_error(tmp_path):
+    """Options with choices are checked the mitmproxy way (OptionsError in configure), not read as a default."""
+    done = subprocess.run(STEPMILL + ["proxy", "--db", str(tmp_path / "s.db"), "--confdir", str(tmp_path / "m"),
+                                      "--port", str(free_port()), "--set", "stepmill_writer=thred"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode != 0 and "stepmill_writer must be one of process, thread, not 'thred'" in done.stderr
