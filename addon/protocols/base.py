@@ -126,3 +126,24 @@ def usage_of(raw: dict | None, *, input_key: str, output_key: str, cache_read: t
         "cache_write_tokens": dig(cache_write) if cache_write else None,
         "raw": raw,
     }
+
+
+class DoneTerminatedStream:
+    """What the assemblers of streams that end in ``data: [DONE]`` share (OpenAI chat and completions,
+    SGLang's /generate): the end marker, and parsing each other event before ``feed_parsed``."""
+
+    done = False
+    error: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.done or self.error is not None
+
+    def feed(self, event: str | None, data: str) -> None:
+        if data.strip() == "[DONE]":
+            self.done = True
+            return
+        self.feed_parsed(event, json.loads(data))
+
+    def feed_parsed(self, event: str | None, chunk) -> None:
+        raise NotImplementedError

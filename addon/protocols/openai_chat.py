@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .base import AssistantBuilder, Completion, ParsedRequest, ProtocolError, canonical_content, tool_call, usage_of
+from .base import DoneTerminatedStream, AssistantBuilder, Completion, ParsedRequest, ProtocolError, canonical_content, tool_call, usage_of
 
 CHAT = "openai.chat"
 COMPLETIONS = "openai.completions"
@@ -138,7 +138,7 @@ def parse_response(body: dict, api: str = CHAT) -> Completion:
 PLAIN_DELTA = frozenset({"role", "content"})
 
 
-class StreamAssembler:
+class StreamAssembler(DoneTerminatedStream):
     """Rebuilds a Chat Completions (or Completions) response from its SSE chunks."""
 
     def __init__(self, api: str = CHAT):
@@ -153,10 +153,6 @@ class StreamAssembler:
         self.prompt_ids = None
         self.choices: dict[int, dict] = {}
 
-    @property
-    def terminal(self) -> bool:
-        return self.done or self.error is not None
-
     def _choice(self, index: int) -> dict:
         state = self.choices.get(index)
         if state is None:
@@ -165,12 +161,6 @@ class StreamAssembler:
                 "has_ids": False, "has_logprobs": False, "role": "assistant",
             }
         return state
-
-    def feed(self, event: str | None, data: str) -> None:
-        if data.strip() == "[DONE]":
-            self.done = True
-            return
-        self.feed_parsed(event, json.loads(data))
 
     def feed_parsed(self, event: str | None, chunk: Any) -> None:
         """One chunk, already parsed (the writer parses a stream's events in one pass)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .base import Completion, ParsedRequest, ProtocolError, usage_of
+from .base import DoneTerminatedStream, Completion, ParsedRequest, ProtocolError, usage_of
 
 API = "sglang.generate"
 
@@ -75,7 +75,7 @@ def parse_response(body: dict, api: str = API) -> Completion:
     return _completion(body["text"], meta, ids, logprobs)
 
 
-class StreamAssembler:
+class StreamAssembler(DoneTerminatedStream):
     def __init__(self, api: str = API):
         self.text = ""
         self.meta: dict = {}
@@ -84,16 +84,6 @@ class StreamAssembler:
         self.error = None
         self.output_started = False
         self.notes: list[str] = []
-
-    @property
-    def terminal(self) -> bool:
-        return self.done or self.error is not None
-
-    def feed(self, event: str | None, data: str) -> None:
-        if data.strip() == "[DONE]":
-            self.done = True
-            return
-        self.feed_parsed(event, json.loads(data))
 
     def feed_parsed(self, event: str | None, chunk: Any) -> None:
         if not isinstance(chunk, dict):
