@@ -253,20 +253,28 @@ def strip(payload: dict, added: Added) -> bool:
             del payload["sglext"]
             if payload.get("choices") == [] and not payload.get("usage"):
                 payload.clear()  # the chunk only carried the ids: the agent never sees it
-    if added.token_ids and "prompt_token_ids" in payload:
-        del payload["prompt_token_ids"]
+    # Not asked, vLLM still sends these fields, as null: the agent gets them so.
+    if added.token_ids and payload.get("prompt_token_ids") is not None:
+        payload["prompt_token_ids"] = None
         changed = True
-    for choice in payload.get("choices") or []:
+    choices = payload.get("choices") or []
+    for choice in choices:
         if not isinstance(choice, dict):
             continue
         if added.token_ids:
             for key in ("token_ids", "prompt_token_ids"):
-                if key in choice:
-                    del choice[key]
+                if choice.get(key) is not None:
+                    choice[key] = None
                     changed = True
         if added.logprobs and choice.get("logprobs") is not None:
             choice["logprobs"] = None
             changed = True
+    if changed and choices and not payload.get("usage") and all(
+            isinstance(c, dict) and not c.get("delta") and not c.get("text") and c.get("finish_reason") is None
+            and "message" not in c for c in choices):
+        # A chunk only the added fields filled (vLLM streams one per sampled token once asked for ids,
+        # even while its tool parser holds the text back): the agent would not have got it.
+        payload.clear()
     return changed
 
 

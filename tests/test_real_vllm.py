@@ -206,11 +206,6 @@ def test_what_the_agent_asked_for_stays(engine_proxy, vllm, marker, mode):
     assert step["response_ids"] == got["choices"][0]["token_ids"] and step["prompt_ids"] == got["prompt_token_ids"]
 
 
-SHAPE_GAP = ("addon/engine.py strip() deletes the fields vLLM itself sends as null when not asked "
-             "(prompt_token_ids, choices[].token_ids, choices[].prompt_token_ids); the agent gets a different shape")
-
-
-@pytest.mark.xfail(strict=True, reason=SHAPE_GAP)
 @pytest.mark.parametrize("api", ["chat", "completions"])
 @pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
 def test_the_agent_gets_exactly_what_vllm_answers(engine_proxy, vllm, marker, api, streamed):
@@ -243,9 +238,6 @@ def paths(value, at: str = "") -> set[str]:
     return set()
 
 
-@pytest.mark.xfail(strict=True, reason="with return_token_ids or logprobs, vLLM streams one chunk per sampled token "
-                                       "even where its tool parser holds the text back; stripped, they reach the "
-                                       "agent as empty-delta chunks it would not get otherwise")
 def test_a_forced_tool_stream_has_vllms_chunks(engine_proxy, vllm, marker):
     body = {"model": vllm.model, "max_tokens": 64, **SAMPLING, "messages": [SYSTEM_CALC, QUESTION],
             "tools": [CALCULATOR], "tool_choice": FORCE_CALCULATOR, "stream": True}
