@@ -445,12 +445,15 @@ class StepmillAddon:
     def _messages_via_chat(flow: http.HTTPFlow, capture: Capture, body: dict, kind: str | bool) -> None:
         """The engine's chat completions, asked for ids, in place of its /v1/messages: the step records
         the chat exchange (exact ids); the agent gets it back as Messages."""
+        render = ("the engine's /v1/messages has no token ids: render them with the engine's own chat template, "
+                  "`stepmill tokenize --tokenizer <its model folder>`")
         if not ctx.options.stepmill_messages_via_chat:
+            capture.notes.append(f"stepmill_messages_via_chat is off; {render}")
             return
         try:
             chat = messages_via_chat.request_to_chat(body, engine="sglang" if kind == "sglang" else "vllm")
         except messages_via_chat.Untranslatable as exc:
-            capture.notes.append(f"sent to the engine's /v1/messages as it came (no token ids): {exc}")
+            capture.notes.append(f"sent to the engine's /v1/messages as it came ({exc}); {render}")
             return
         request = flow.request
         path = request.path.split("?", 1)[0]
