@@ -203,7 +203,7 @@ class StepmillAddon:
     def _read_runs(self, store: Store) -> None:
         """Runs registered (by any proxy on this file) since the last look: off the loop, appended only."""
         for row in store.registered_runs(self.runs.seen_rowid):
-            self.runs.add(Run(row["trajectory_id"], row["group_id"], row["channel"], row["secret_hash"]))
+            self.runs.add(Run(row["trajectory_id"], row["group_id"], row["channel"], row["secret_hash"], row["rowid"]))
             self.runs.seen_rowid = row["rowid"]
 
     def _status(self) -> dict:
@@ -308,7 +308,9 @@ class StepmillAddon:
         if capture is None or capture.done or flow.response is None:
             return
         if capture.websocket and flow.response.status_code == 101:
-            return  # the turns are steps, recorded as they end
+            capture.done = True
+            self._settled(capture.call.tags.trajectory_id)  # the turns are steps, counted as they come
+            return
         try:
             self._finish(flow, capture, error=None)
         except Exception as exc:
@@ -351,15 +353,16 @@ class StepmillAddon:
         if request.method != "POST" and not (websocket and module is openai_responses):
             return None
         # An LLM call: from here on the request may be changed (tags taken out, engine fields added).
-        credential = None
+        path_tags = None
         if tagged:
-            credential, request.path = tagged
+            path_tags, request.path = tagged
         headers = tagging.pop_header_tags(request.headers, index)
-        credential = credential or self.connection_tags.get(flow.client_conn.id)
-        if credential is None and not ctx.options.proxyauth and "proxy-authorization" in index:
-            credential = self._credential_tags(index["proxy-authorization"])
+        request_tags = None
+        if not ctx.options.proxyauth and "proxy-authorization" in index:
+            request_tags = self._credential_tags(index["proxy-authorization"])
             request.headers.pop("proxy-authorization", None)  # hop-by-hop: its secret never goes upstream
         try:
+            credential = self.runs.credential(path_tags, self.connection_tags.get(flow.client_conn.id), request_tags)
             tags = self.runs.resolve(credential, headers)
         except Refused as exc:
             log.warning(f"stepmill: refused {request.method} {host}{api_path}: {exc}")
@@ -375,8 +378,7 @@ class StepmillAddon:
             request_encoding=index.get("content-encoding"), websocket=websocket,
         )
         flow.metadata["stepmill"] = capture
-        if not websocket:
-            self.inflight[tags.trajectory_id] += 1
+        self.inflight[tags.trajectory_id] += 1  # until handed off, or (a WebSocket) upgraded
         return capture
 
     @staticmethod
@@ -394,9 +396,7 @@ class StepmillAddon:
         """A call that turned out not to be one to record: no step, nothing waits for it."""
         flow.metadata.pop("stepmill", None)
         capture.done = True
-        self.inflight[capture.call.tags.trajectory_id] -= 1
-        if self.inflight[capture.call.tags.trajectory_id] <= 0:
-            del self.inflight[capture.call.tags.trajectory_id]
+        self._settled(capture.call.tags.trajectory_id)
 
     @classmethod
     def _probe_key(cls, flow: http.HTTPFlow, capture: Capture) -> tuple:
@@ -529,6 +529,10 @@ class StepmillAddon:
         if self.handoff is not None:
             self.handoff.submit(header, blobs)
             self.submitted += 1
+        self._settled(trajectory_id)
+
+    def _settled(self, trajectory_id: str | None) -> None:
+        """A call of ``trajectory_id`` is no longer in flight (handed off, upgraded or not ours)."""
         self.inflight[trajectory_id] -= 1
         if self.inflight[trajectory_id] <= 0:
             del self.inflight[trajectory_id]

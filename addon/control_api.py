@@ -300,6 +300,9 @@ class ControlAPI:
         data = _check(_object(body), {"reward": NUMBER})
         if self.store.trajectory(tid) is None:
             raise ApiError(404, f"no trajectory {tid!r}")
+        if self._barrier is not None and not self._barrier.get("committed"):
+            raise ApiError(503, f"calls of trajectory {tid!r} are not committed yet ({self._barrier}); it stays "
+                                "open: complete it again")
         completed = self._with_urls(self.store.complete_trajectory(tid, reward=data.get("reward")))
         return 200, {**completed, **({"barrier": self._barrier} if self._barrier is not None else {})}
 
@@ -312,7 +315,7 @@ class ControlAPI:
             row = self.store.register_run(tid, secret_hash(secret))
         except KeyError:
             raise ApiError(404, f"no trajectory {tid!r}") from None
-        self.on_run(Run(tid, row["group_id"], row["channel"], row["secret_hash"]))
+        self.on_run(Run(tid, row["group_id"], row["channel"], row["secret_hash"], row["rowid"]))
         trajectory = self.store.trajectory(tid)
         return 201, {**self._with_urls(trajectory, secret), "secret": secret}
 

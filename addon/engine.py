@@ -271,7 +271,7 @@ def strip(payload: dict, added: Added) -> bool:
             changed = True
     if changed and choices and not payload.get("usage") and all(
             isinstance(c, dict) and not c.get("delta") and not c.get("text") and c.get("finish_reason") is None
-            and "message" not in c for c in choices):
+            and c.get("logprobs") is None and "message" not in c for c in choices):
         # A chunk only the added fields filled (vLLM streams one per sampled token once asked for ids,
         # even while its tool parser holds the text back): the agent would not have got it.
         payload.clear()

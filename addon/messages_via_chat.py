@@ -218,11 +218,13 @@ class StreamTranslator:
         self.finish: dict | None = None  # the choice that carried finish_reason
         self.usage: dict | None = None
         self.done = False
+        self.finished = False  # the engine said the stream is whole ([DONE])
 
     def __call__(self, event: Event) -> bytes:
         if self.done or not event.data:
             return b""
         if event.data.strip() == "[DONE]":
+            self.finished = True
             return self.close()
         try:
             chunk = json.loads(event.data)
@@ -267,6 +269,10 @@ class StreamTranslator:
         self.done = True
         out = [] if self.started else [self._start({})]
         out.append(self._close_block())
+        if not self.finished and self.finish is None:  # cut short: the agent must not take it as a whole answer
+            out.append(sse("error", {"type": "error", "error": {
+                "type": "api_error", "message": "the engine's stream ended before its last chunk"}}))
+            return b"".join(out)
         stop_reason, stop_sequence = _stop(self.finish or {"finish_reason": "stop"}, self.stop_sequences)
         usage = _usage(self.usage)
         out.append(sse("message_delta", {"type": "message_delta", "delta": {

@@ -37,6 +37,7 @@ class Run:
     group_id: str | None
     channel: str | None
     secret_hash: str
+    rowid: int = 0  # its registration's row: a later one replaces it, an older one never does
 
 
 class RunTable:
@@ -46,9 +47,29 @@ class RunTable:
         self.seen_rowid = 0  # the last registration read from the store
 
     def add(self, run: Run) -> None:
-        self.runs[run.trajectory_id] = run  # a re-registered run (a rerun) gets its new secret
+        known = self.runs.get(run.trajectory_id)
+        if known is not None and known.rowid > run.rowid:
+            return  # read late from the file: the newer registration (a rerun's secret) stands
+        self.runs[run.trajectory_id] = run
         if run.group_id:
             self.groups.add(run.group_id)
+
+    def credential(self, *sources: Tags | None) -> Tags | None:
+        """The one credential of a call (a tagged path, the connection's or the request's proxy
+        credentials, first given first). Once any of them names a registered run, none may name
+        another trajectory: a run cannot write beside its own trajectory through a second source."""
+        given = [tags for tags in sources if tags is not None and tags.trajectory_id]
+        registered = [tags for tags in given if tags.trajectory_id in self.runs]
+        if not registered:
+            return given[0] if given else None
+        chosen = registered[0]
+        others = {tags.trajectory_id for tags in given} - {chosen.trajectory_id}
+        if others:
+            raise Refused(f"the credentials of registered run {chosen.trajectory_id!r} come with another "
+                          f"trajectory ({', '.join(sorted(map(repr, others)))}) in the same call")
+        run = self.runs[chosen.trajectory_id]
+        return next((tags for tags in registered if tags.secret and hmac.compare_digest(
+            secret_hash(tags.secret), run.secret_hash)), chosen)
 
     def resolve(self, credential: Tags | None, headers: Tags | None) -> Tags:
         """The tags a call is recorded under, or Refused with the reason."""

@@ -96,10 +96,13 @@ class Private:
         files = [db_path, Path(f"{db_path}-wal"), Path(f"{db_path}-shm"), Path(dataset).resolve()]
         if config:
             files.append(Path(config).resolve())
-        keeps = [Path(sys.prefix).resolve(), Path(sys.executable).resolve(), Path(__file__).resolve().parent,
-                 runs_root.resolve()]
-        if not any(_within(keep, db_path.parent) for keep in keeps):
-            folders.append(db_path.parent)  # the database's folder holds nothing a run needs: hide it all
+        keeps = [*code_paths(), Path(sys.executable).resolve(), runs_root.resolve()]
+        # Whole folders where they hold nothing a run needs: other copies and later files go with them.
+        for folder in (db_path.parent, Path(dataset).resolve().parent):
+            if not any(_within(keep, folder) for keep in keeps):
+                folders.append(folder)
+        # A checkout's history holds every version of its files (a bundled dataset's answers too).
+        folders += [path / ".git" for path in code_paths() if (path / ".git").is_dir()]
         return cls(folders, files)
 
 

@@ -85,7 +85,8 @@ class ProxyHandle:
         from .token import ensure_token
 
         ensure_token(self.confdir)  # a proxy started here creates it too; the client reads it now
-        self.client = StepmillClient(proxy=self.url, confdir=self.confdir, timeout=60)
+        # Longer than the proxy's commit barrier (60 s): a complete that waits for it is answered first.
+        self.client = StepmillClient(proxy=self.url, confdir=self.confdir, timeout=150)
         deadline = time.time() + 60
         while True:
             try:
@@ -224,7 +225,8 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool, mode: str) -> R
                 env = {**direct, **trust_env(str(run_bundle)), **agent.env,
                        "STEPMILL_ENGINE_URL": config.route.base_url, "STEPMILL_MODEL": run.model,
                        "STEPMILL_TOKENIZER": white_box_tokenizer, "STEPMILL_STEPS_FD": str(steps_write)}
-                stdin = json.dumps(task).encode()
+                # The task as the agent may see it: its id, prompt and public fields, never the answer.
+                stdin = json.dumps({k: v for k, v in task.items() if k in ("id", "prompt") or k in public_fields}).encode()
             else:
                 command = [fill(part, values) for part in agent.command]
                 env = {**(direct if config.route.reverse else base), **proxy.env(trajectory, secret, config.route, run_bundle),
@@ -242,10 +244,11 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool, mode: str) -> R
                 command = iso.sandbox_command(command, run_dir=run_dir, private=private,
                                               needs=[Path(white_box_tokenizer)] if agent.entry else [])
             elif mode == "user":
+                iso.end_all(uid)  # whatever a run of this uid left behind (a killed runner's) goes first
                 iso.give_to(run_dir, uid)
                 os.chmod(run_dir, 0o700)
                 switch = iso.become(uid)
-                preexec = lambda: (die_with_parent(), switch())  # noqa: E731
+                preexec = lambda: (switch(), die_with_parent())  # noqa: E731  (a uid change clears it)
             elif mode == "container":
                 env_file = run_dir / "env"
                 iso.write_env_file(env_file, env)
@@ -305,11 +308,17 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool, mode: str) -> R
             "workdir": str(workdir), "isolation": mode,
             **({"submitted_steps": submitted["steps"]} if agent.entry else {}),
             **({"submit_errors": submitted["errors"][:5]} if submitted["errors"] else {})})
-        # The proxy answers once every call of the run is committed: rewards then see every step.
-        completed = proxy.client.complete_trajectory(trajectory)
-        if not completed.get("barrier", {}).get("committed", True):
-            print(f"stepmill: {trajectory}: its calls were not all committed when it completed "
-                  f"({completed['barrier']}); score it again later", file=sys.stderr, flush=True)
+        # The proxy completes a run only once every call of it is committed: rewards then see every step.
+        for attempt in range(5):
+            try:
+                proxy.client.complete_trajectory(trajectory)
+                break
+            except ControlError as exc:
+                if exc.status != 503:
+                    raise
+                print(f"stepmill: {trajectory}: {exc.message}", file=sys.stderr, flush=True)
+        else:
+            print(f"stepmill: {trajectory} stays open: its calls were not committed in time", file=sys.stderr)
         with lock:
             report.done += 1
             report.failed += outcome == "failed"

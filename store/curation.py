@@ -97,10 +97,15 @@ def review_state(conn: sqlite3.Connection, kind: str, target_id: str) -> dict:
 
 
 # The gate, as SQL over a step row ``s``: the latest label and trainable review of the step and of
-# its trajectory. A step is out when any of them says so; the reason names which.
+# its trajectory, and whether it belongs to an earlier attempt of its run. A step is out when any of
+# them says so; the reason names which.
 _LATEST = ("(SELECT value FROM reviews r WHERE r.target_kind = '{kind}' AND r.target_id = {id}"
            " AND r.action = '{action}' ORDER BY r.id DESC LIMIT 1)")
-GATE_REASON = "CASE " + " ".join(
+# A registered run's trajectory that runs again (a cut-short run resumed) is registered again: its
+# steps from before the latest registration are an earlier attempt's, whenever they were committed.
+_EARLIER_ATTEMPT = ("WHEN EXISTS (SELECT 1 FROM run_credentials rc WHERE rc.trajectory_id = s.trajectory_id"
+                    " AND rc.created_at > s.started_at) THEN 'an earlier attempt of its run' ")
+GATE_REASON = "CASE " + _EARLIER_ATTEMPT + " ".join(
     f"WHEN {_LATEST.format(kind=kind, id=ref, action='label')} = '{label}' THEN '{kind} {reason}' "
     for kind, ref in (("step", "s.id"), ("trajectory", "s.trajectory_id"))
     for label, reason in (("bad", "rejected"), ("needs-fix", "needs a fix"))

@@ -205,6 +205,12 @@ class Store:
             cursor = conn.execute(
                 "INSERT INTO run_credentials (trajectory_id, group_id, channel, secret_hash, created_at)"
                 " VALUES (?, ?, ?, ?, ?)", [trajectory_id, row[0], row[1], secret_hash, now_iso()])
+            # A trajectory nobody registered that already sits in this group (written before any run of
+            # it was registered) would keep the group open for ever: it moves to a group of its own.
+            for (foreign,) in conn.execute(
+                    "SELECT id FROM trajectories WHERE group_id = ? AND id NOT IN"
+                    " (SELECT trajectory_id FROM run_credentials)", [row[0]]).fetchall() if row[0] else []:
+                set_trajectory_fields(conn, foreign, {"group_id": f"{row[0]}~unregistered"})
         return {"rowid": cursor.lastrowid, "trajectory_id": trajectory_id, "group_id": row[0], "channel": row[1],
                 "secret_hash": secret_hash}
 
@@ -213,9 +219,11 @@ class Store:
         return self.query("SELECT rowid, trajectory_id, group_id, channel, secret_hash FROM run_credentials"
                           " WHERE rowid > ? ORDER BY rowid", [after_rowid])
 
-    def is_registered(self, trajectory_id: str) -> bool:
-        return self.db.conn.execute("SELECT 1 FROM run_credentials WHERE trajectory_id = ? LIMIT 1",
-                                    [trajectory_id]).fetchone() is not None
+    def registered_at(self, trajectory_id: str) -> str | None:
+        """When the run's latest attempt was registered (its steps start after), or None."""
+        row = self.db.conn.execute("SELECT max(created_at) FROM run_credentials WHERE trajectory_id = ?",
+                                   [trajectory_id]).fetchone()
+        return row[0] if row else None
 
     # -- scoring fields -------------------------------------------------------------------
     def set_scoring_fields(self, trajectory_id: str, fields: dict) -> None:

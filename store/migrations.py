@@ -214,7 +214,7 @@ def _m007_runs(db: sqlite_utils.Database) -> None:
                                   "created_at": str})
     db["run_credentials"].create_index(["trajectory_id"])
     # A task's fields for scoring only (answers, tests): read by reward functions, served by no
-    # surface an agent reaches (not in trajectories.metadata, hidden in the UI).
+    # surface an agent reaches (not in trajectories.metadata; the UI serves signed-in reviewers only).
     db["scoring_fields"].create({"trajectory_id": str, "fields": str}, pk="trajectory_id")
 
 

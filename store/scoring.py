@@ -94,6 +94,9 @@ def _matches(trajectory: dict, where: dict) -> bool:
 def trajectory_input(store: Store, row: dict) -> dict:
     """What a reward function receives."""
     steps = list(store.iter_steps("s.trajectory_id = ?", [row["id"]], with_tokens=False))
+    attempt = store.registered_at(row["id"])
+    if attempt is not None:  # a resumed run is scored on its latest attempt alone
+        steps = [s for s in steps if (s.get("started_at") or "") >= attempt]
     steps.sort(key=lambda s: (s["step_index"] is None, s["step_index"]))
     last = steps[-1] if steps else {}
     return {"id": row["id"], "group_id": row["group_id"], "channel": row["channel"],

@@ -5,7 +5,6 @@ import ssl
 import threading
 import time
 
-import anthropic
 import httpx2
 import openai
 import pytest

@@ -1,6 +1,5 @@
 """OpenAI Responses through the proxy: HTTP, SSE and the WebSocket transport Codex uses."""
 
-import json
 
 TOOL = {"type": "function", "name": "get_weather", "description": "Weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}

@@ -1,6 +1,5 @@
 """Rendered ids with a real Qwen vocabulary and chat template, and the drift checks around them."""
 
-import json
 import subprocess
 
 import anthropic

@@ -74,7 +74,10 @@ def test_engine_inject_only_what_is_missing():
     assert body == {"logprobs": True, "return_token_ids": True} and added.token_ids and not added.logprobs
     payload = {"prompt_token_ids": [1], "choices": [{"token_ids": [2], "logprobs": {"content": []}}]}
     assert engine.strip(payload, added)
-    assert payload == {"choices": [{"logprobs": {"content": []}}]}
+    # What vLLM sends unasked: the id fields, null; the logprobs the agent asked for stay.
+    assert payload == {"prompt_token_ids": None, "choices": [{"token_ids": None, "logprobs": {"content": []}}]}
+    chunk = {"choices": [{"index": 0, "delta": {}, "token_ids": [7], "finish_reason": None}]}
+    assert engine.strip(chunk, added) and chunk == {}  # only the added fields filled it: never sent
 
 
 def test_split_against_lists_and_arrays():

@@ -92,14 +92,18 @@ class StreamAssembler(DoneTerminatedStream):
             self.error = json.dumps(chunk["error"])
             return
         text = chunk.get("text") or ""
-        # Cumulative (the default) or incremental: a chunk that starts with what came is the whole so far.
-        self.text = text if text.startswith(self.text) else self.text + text
-        self.output_started = self.output_started or bool(text)
         meta = chunk.get("meta_info") if isinstance(chunk.get("meta_info"), dict) else {}
         entries = meta.get("output_token_logprobs")
+        # Cumulative (the default) or incremental (incremental_streaming_output): the token count says
+        # which — a cumulative event holds as many entries as tokens sampled so far.
+        if entries:
+            cumulative = isinstance(entries, list) and meta.get("completion_tokens") == len(entries)
+        else:
+            cumulative = text.startswith(self.text)
+        self.text = text if cumulative else self.text + text
+        self.output_started = self.output_started or bool(text)
         if isinstance(entries, list):
-            whole = len(entries) >= len(self.entries) and entries[:len(self.entries)] == self.entries
-            self.entries = list(entries) if whole else self.entries + list(entries)
+            self.entries = list(entries) if cumulative else self.entries + list(entries)
         self.meta = {**self.meta, **meta}
 
     def finish(self) -> Completion:
