@@ -30,6 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MODES = ("auto", "sandbox", "user", "container", "none")
+# Sockets of services that act for the runner's user (or for root) outside the sandbox: the session and
+# system buses (systemd runs anything it is asked), SSH and GPG agents, container engines.
+HOST_SOCKETS = ("/run/user", "/run/dbus", "/run/docker.sock", "/run/containerd", "/run/podman", "/run/systemd/private")
+# Variables that point a process at such a service, or sign as the runner's user.
+PRIVATE_ENV = ("DBUS_SESSION_BUS_ADDRESS", "DBUS_SYSTEM_BUS_ADDRESS", "SSH_AUTH_SOCK", "GPG_AGENT_INFO",
+               "XDG_RUNTIME_DIR", "DOCKER_HOST", "CONTAINER_HOST", "DATASETTE_SECRET", "RAY_ADDRESS", "KRB5CCNAME")
 NONE_WARNING = ("stepmill: run {trajectory} is NOT isolated (isolation = none): the agent can read the "
                 "database, the dataset's answers and the proxy's token, and change its own data")
 
@@ -142,11 +148,22 @@ def sandbox_command(command: list[str], *, run_dir: Path, private: Private, need
     for folder in private.folders:
         if folder.is_dir() and visible(folder):
             args += ["--tmpfs", str(folder)]
+    for socket in map(Path, HOST_SOCKETS):
+        if socket.is_dir():
+            args += ["--tmpfs", str(socket)]
+        elif socket.exists():
+            args += ["--ro-bind", "/dev/null", str(socket)]
     for file in private.files:
         if file.exists() and visible(file):
             args += ["--ro-bind", "/dev/null", str(file)]
     args += ["--bind", str(run_dir), str(run_dir), "--chdir", str(run_dir / "work"), "--"]
     return args + command
+
+
+def agent_environment(environ: dict) -> dict:
+    """What of the runner's environment a run inherits: not stepmill's own settings, nor anything that
+    reaches a service acting for the runner's user."""
+    return {k: v for k, v in environ.items() if not k.startswith("STEPMILL_") and k not in PRIVATE_ENV}
 
 
 def container_command(command: list[str], prefix: list[str], *, workdir: Path, env_file: Path, uid: int) -> list[str]:

@@ -216,7 +216,8 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool, mode: str) -> R
                       "group": group, "base_url": config.route.base_url or "", "origin": origin(config.route.base_url),
                       "python": sys.executable}
             # No agent gets the write token; loopback LLMs go through the proxy too (no NO_PROXY).
-            base = {k: v for k, v in os.environ.items() if k.lower() != "no_proxy" and k != TOKEN_ENV}
+            base = {k: v for k, v in iso.agent_environment(os.environ).items()
+                    if k.lower() != "no_proxy" and k != TOKEN_ENV}
             direct = {k: v for k, v in base.items() if not k.lower().endswith("_proxy")}
             steps_read = steps_write = None
             if agent.entry:  # white-box: straight to the engine; its steps come back on a pipe of its own

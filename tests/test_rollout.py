@@ -4,6 +4,7 @@ a failing agent, timeouts, resume, and configuration errors with their line."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -322,13 +323,34 @@ def test_a_white_box_run_cut_short_runs_again_cleanly(proxy, simulated_llm, mark
     assert store.curation(old["id"])["review"]["label"] == "bad"
     gate = store.gate_counts("s.trajectory_id = ?", [trajectory])
     assert gate["removed"] == 1 and gate["kept"] == len(new)
+    # Out as an earlier attempt whatever its label, so a late commit of the cut-short run stays out too,
+    # and the reward is the rerun's: scored on the latest attempt's steps alone.
+    assert gate["removed_by_reason"] == {"an earlier attempt of its run": 1}
+    from stepmill.store.scoring import trajectory_input
+
+    row = store.query("SELECT * FROM trajectories WHERE id = ?", [trajectory])[0]
+    assert [s["step_id"] for s in trajectory_input(store, row)["steps"]] == [s["id"] for s in new]
+
+
+def test_a_white_box_agent_gets_no_answer(proxy, simulated_llm, marker, tmp_path):
+    """The task a white-box agent is handed holds its id, prompt and public fields, never the answer."""
+    from .conftest import TESTS
+
+    config = _sim_config(tmp_path, proxy, simulated_llm, marker, agents=["token-loop"], n=1, tasks=1)
+    config.write_text(config.read_text().replace(
+        'entry = "stepmill.agents.token_loop:run"',
+        f'entry = "tests.whitebox_agents:report_task"\nenv = {{ PYTHONPATH = "{TESTS.parent}" }}'))
+    done = _rollout(config)
+    assert "1 runs finished (0 failed, 0 timed out)" in done.stderr, done.stderr
+    row = proxy.store().query("SELECT metadata FROM trajectories WHERE id = ?", [f"sim-{marker}-t01-0"])[0]
+    log = (Path(json.loads(row["metadata"])["workdir"]) / "agent.log").read_text()
+    assert "task fields: ['id', 'prompt']" in log, log
 
 
 def test_kill_9_of_the_runner_leaves_no_process_behind(tmp_path, proxy, simulated_llm, marker):
     """The proxy the runner started and the runs it holds stop with it, even when it is killed."""
     import signal
     import time
-    from pathlib import Path
 
     config = _sim_config(tmp_path, proxy, simulated_llm, marker, agents=["tool-loop"], n=2, tasks=1,
                          proxy_section=False)

@@ -122,3 +122,28 @@ def test_complete_waits_until_the_runs_calls_are_committed(proxy, marker):
     store = proxy.store()
     assert store.query("SELECT count(*) AS n FROM steps WHERE trajectory_id = ?", [f"barrier-{marker}"])[0]["n"] == 2
     assert proxy.client().barrier()["committed"] is True
+
+
+def test_a_registered_run_cannot_write_beside_its_trajectory(proxy, marker):
+    """The run's own credentials with a tagged path naming another trajectory: one call, two
+    trajectories — refused, and the run's secret never goes upstream."""
+    run = _registered(proxy, marker, "beside")
+    client = _client(proxy, run["proxy_url"])
+    client.base_url = "https://api.openai.com/t/hidden-{0}/v1".format(marker)
+    with pytest.raises(openai.PermissionDeniedError, match="come with another trajectory"):
+        _ask(client, f"beside {marker}")
+    assert proxy.store().trajectory(f"hidden-{marker}") is None
+
+
+def test_a_group_squatted_before_its_runs_register_is_given_back(proxy, openai_client, marker):
+    """A trajectory nobody registered, written into a group before its runs were registered, would keep
+    the group open for ever: registering a run of the group moves it to a group of its own."""
+    openai_client.chat.completions.create(
+        model="gpt-test", messages=[{"role": "user", "content": f"squat {marker}"}],
+        extra_headers={"X-Stepmill-Trajectory": f"squat-{marker}", "X-Stepmill-Group": f"grp-{marker}"})
+    proxy.trajectory_steps(f"squat-{marker}", 1)
+    _registered(proxy, marker, "owner")
+    store = proxy.store()
+    assert store.trajectory(f"squat-{marker}")["group_id"] == f"grp-{marker}~unregistered"
+    assert {r["id"] for r in store.query("SELECT id FROM trajectories WHERE group_id = ?", [f"grp-{marker}"])} == \
+        {f"owner-{marker}"}
