@@ -96,6 +96,17 @@ class Proxy:
 
 
 def start_proxy(tmp: Path, upstream: Upstream, *extra: str) -> Proxy:
+    """The proxy most tests use: forward, and reverse to the test upstream, which public API hosts reach."""
+    return launch_proxy(tmp, f"https://127.0.0.1:{upstream.port}", "-s", str(TESTS / "redirect_hosts.py"),
+                        "--set", f"test_upstream_port={upstream.port}",
+                        "--set", f"ssl_verify_upstream_trusted_ca={upstream.ca}", "--set", "termlog_verbosity=warn",
+                        *extra, upstream=upstream)
+
+
+def launch_proxy(tmp: Path, reverse_to: str, *extra: str, upstream: Upstream | None = None,
+                 env: dict | None = None) -> Proxy:
+    """`stepmill proxy` with a forward listener, a reverse one to ``reverse_to`` and a control port,
+    started and answering; with the variables `stepmill env` gives agents."""
     tmp.mkdir(parents=True, exist_ok=True)
     port, reverse_port, control_port = free_port(), free_port(), free_port()
     confdir, db, log = tmp / "mitm", tmp / "steps.db", tmp / "proxy.log"
@@ -103,15 +114,11 @@ def start_proxy(tmp: Path, upstream: Upstream, *extra: str) -> Proxy:
         "proxy", "--port", str(port), "--db", str(db), "--confdir", str(confdir),
         "--control-port", str(control_port),
         "--mode", f"regular@{port}",
-        "--mode", f"reverse:https://127.0.0.1:{upstream.port}@{reverse_port}",
-        "-s", str(TESTS / "redirect_hosts.py"),
-        "--set", f"test_upstream_port={upstream.port}",
-        "--set", f"ssl_verify_upstream_trusted_ca={upstream.ca}",
+        "--mode", f"reverse:{reverse_to}@{reverse_port}",
         "--set", "connection_strategy=lazy",
-        "--set", "termlog_verbosity=warn",
         *extra,
     ]
-    process = subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=tmp)
+    process = subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=tmp, env=env)
     try:
         wait_until(lambda: answers(f"http://127.0.0.1:{control_port}/v1/health") or process.poll() is not None, timeout=60, what="proxy start")
         if process.poll() is not None:
@@ -121,11 +128,11 @@ def start_proxy(tmp: Path, upstream: Upstream, *extra: str) -> Proxy:
     except BaseException:
         process.kill()
         raise
-    env = {}
+    agent_env = {}
     for line in exports.splitlines():
         name, _, value = line.removeprefix("export ").partition("=")
-        env[name] = shlex.split(value)[0]
-    return Proxy(port, reverse_port, control_port, db, confdir, env, upstream, process, log)
+        agent_env[name] = shlex.split(value)[0]
+    return Proxy(port, reverse_port, control_port, db, confdir, agent_env, upstream, process, log)
 
 
 def addon_failures(log_text: str) -> list[str]:

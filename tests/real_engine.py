@@ -9,16 +9,14 @@ test time (stepmill.demo.start_vllm): random text, but every id, logprob and ren
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from stepmill.children import free_port
 
-from .conftest import STEPMILL, TESTS, Proxy, answers, wait_until
+from .conftest import TESTS, Proxy, launch_proxy
 
 REQUIRE = "STEPMILL_REQUIRE_ENGINES"
 
@@ -84,37 +82,8 @@ def vllm(request, tmp_path_factory):
 def start_engine_proxy(tmp: Path, engine: RealVLLM, *extra: str) -> Proxy:
     """`stepmill proxy` with a forward listener and a reverse listener bound to the real vLLM (plain
     HTTP): the engine is found by the auto probe unless ``extra`` says otherwise."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    port, reverse_port, control_port = free_port(), free_port(), free_port()
-    confdir, db, log = tmp / "mitm", tmp / "steps.db", tmp / "proxy.log"
-    args = STEPMILL + [
-        "proxy", "--port", str(port), "--db", str(db), "--confdir", str(confdir),
-        "--control-port", str(control_port),
-        "--mode", f"regular@{port}",
-        "--mode", f"reverse:http://127.0.0.1:{engine.port}@{reverse_port}",
-        "--set", "connection_strategy=lazy",
-        "--set", "termlog_verbosity=info",
-        *extra,
-    ]
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
-    process = subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=tmp, env=env)
-    try:
-        wait_until(lambda: answers(f"http://127.0.0.1:{control_port}/v1/health") or process.poll() is not None,
-                   timeout=60, what="proxy start")
-        if process.poll() is not None:
-            raise RuntimeError(f"proxy exited: {log.read_text()}")
-        exports = subprocess.run(STEPMILL + ["env", "--port", str(port), "--confdir", str(confdir)],
-                                 capture_output=True, text=True, check=True).stdout
-    except BaseException:
-        process.kill()
-        raise
-    import shlex
-
-    proxy_env = {}
-    for line in exports.splitlines():
-        name, _, value = line.removeprefix("export ").partition("=")
-        proxy_env[name] = shlex.split(value)[0]
-    return Proxy(port, reverse_port, control_port, db, confdir, proxy_env, None, process, log)
+    return launch_proxy(tmp, f"http://127.0.0.1:{engine.port}", "--set", "termlog_verbosity=info", *extra, env=env)
 
 
 __all__ = ["vllm", "RealVLLM", "start_engine_proxy", "TESTS"]

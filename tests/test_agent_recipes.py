@@ -38,16 +38,17 @@ def binary(name: str) -> str | None:
     return str(bundled) if bundled.exists() else shutil.which(command)
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", list(BINARIES))
-def test_recipe_through_the_runner(name, proxy, simulated_llm, marker, tmp_path):
+def run_recipe(name: str, proxy, base_url: str, model: str, marker: str, tmp_path, *, tasks: int, timeout: int,
+               agent_edit=lambda text: text):
+    """A shipped recipe through `stepmill rollout` (n=2 on the first bundled tasks) against ``base_url``:
+    what the runner printed, the trajectories, and everything to read when it fails (the agents' logs)."""
     path = binary(name)
     if path is None:
         pytest.skip(f"{BINARIES[name][0]} is not installed (.ci/install-agents installs it)")
     command = BINARIES[name][0]
-    agent = recipe(name).replace(f'command = ["{command}"', f'command = ["{path}"', 1)
+    agent = agent_edit(recipe(name).replace(f'command = ["{command}"', f'command = ["{path}"', 1))
     bundled = (importlib.resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
-    (tmp_path / "tasks.jsonl").write_text("\n".join(bundled[:2]) + "\n")
+    (tmp_path / "tasks.jsonl").write_text("\n".join(bundled[:tasks]) + "\n")
     config = tmp_path / "rollout.toml"
     config.write_text(f"""[proxy]
 url = "{proxy.url}"
@@ -55,7 +56,7 @@ db = "{proxy.db}"
 confdir = "{proxy.confdir}"
 
 [route]
-base_url = "{simulated_llm.url}"
+base_url = "{base_url}"
 
 {agent}
 
@@ -68,8 +69,8 @@ agent = "{name}"
 dataset = "{name}-{marker}"
 n = 2
 concurrency = 2
-timeout = 180
-model = "qwen-sim"
+timeout = {timeout}
+model = "{model}"
 
 [[reward]]
 name = "math"
@@ -77,11 +78,18 @@ function = "stepmill.store.reward_functions:math_answer"
 """)
     done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
                           timeout=600)
-    store = proxy.store()
-    trajectories = store.query("SELECT id, metadata, reward, status FROM trajectories WHERE id LIKE ?",
-                               [f"{name}-{marker}-%"])
+    trajectories = proxy.store().query("SELECT id, metadata, reward, status FROM trajectories WHERE id LIKE ?",
+                                       [f"{name}-{marker}-%"])
     logs = [Path(json.loads(t["metadata"])["workdir"], "agent.log") for t in trajectories]
     detail = done.stderr + "".join(f"\n--- {log}\n{log.read_text()[-1500:]}" for log in logs if log.exists())
+    return done, trajectories, detail
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(BINARIES))
+def test_recipe_through_the_runner(name, proxy, simulated_llm, marker, tmp_path):
+    done, trajectories, detail = run_recipe(name, proxy, simulated_llm.url, "qwen-sim", marker, tmp_path,
+                                            tasks=2, timeout=180)
     assert "4 runs finished (0 failed, 0 timed out)" in done.stderr, detail
     assert len(trajectories) == 4 and {t["status"] for t in trajectories} == {"complete"}
     assert all(t["reward"] in (0.0, 1.0) for t in trajectories), detail

@@ -10,7 +10,6 @@ vLLM's own rendering of the real Qwen chat template.
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import subprocess
 
@@ -393,44 +392,10 @@ def test_forced_tool_loop(engine_proxy, vllm, marker, mode):
 # --- the shipped agents through the runner --------------------------------------------------------------
 
 def _rollout_config(tmp_path, proxy, vllm, marker, agents, tasks=2, n=2) -> str:
-    bundled = (importlib.resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
-    (tmp_path / "tasks.jsonl").write_text("\n".join(bundled[:tasks]) + "\n")
-    config = tmp_path / "rollout.toml"
-    config.write_text(f"""[proxy]
-url = "{proxy.url}"
-db = "{proxy.db}"
-confdir = "{proxy.confdir}"
+    from .test_rollout import _sim_config
 
-[route]
-base_url = "{vllm.url}"
-tokenizer = "{vllm.model_dir}"
-
-[[agent]]
-name = "tool-loop"
-command = ["{{python}}", "-m", "stepmill.agents.tool_loop", "--model", "{{model}}"]
-env = {{ OPENAI_API_KEY = "sk-local" }}
-
-[[agent]]
-name = "token-loop"
-entry = "stepmill.agents.token_loop:run"
-
-[[dataset]]
-name = "vllm-{marker}"
-path = "tasks.jsonl"
-
-[run]
-agent = {json.dumps(agents)}
-dataset = "vllm-{marker}"
-n = {n}
-concurrency = 4
-timeout = 240
-model = "{vllm.model}"
-
-[[reward]]
-name = "math-{marker}"
-function = "stepmill.store.reward_functions:math_answer"
-""")
-    return str(config)
+    return str(_sim_config(tmp_path, proxy, vllm, marker, agents=agents, tasks=tasks, n=n, prefix="vllm",
+                           model=vllm.model, timeout=240, extra_route=f'tokenizer = "{vllm.model_dir}"'))
 
 
 def test_shipped_agents_through_the_runner(engine_proxy, vllm, marker, tmp_path):
@@ -471,48 +436,13 @@ def test_demo_on_the_real_vllm(vllm, tmp_path):
 
 @pytest.mark.parametrize("name", ["mini-swe-agent", "codex", "claude-code"])
 def test_recipe_against_the_real_vllm(name, engine_proxy, vllm, marker, tmp_path):
-    from .test_agent_recipes import APIS, BINARIES, binary, recipe
+    from .test_agent_recipes import APIS, run_recipe
 
-    path = binary(name)
-    if path is None:
-        pytest.skip(f"{BINARIES[name][0]} is not installed (.ci/install-agents installs it)")
-    command = BINARIES[name][0]
-    agent = recipe(name).replace(f'command = ["{command}"', f'command = ["{path}"', 1)
     # Claude Code asks for 32k tokens a call; random weights rarely sample the end: keep its calls short.
-    agent = agent.replace('DISABLE_AUTOUPDATER = "1"', 'DISABLE_AUTOUPDATER = "1", CLAUDE_CODE_MAX_OUTPUT_TOKENS = "64"')
-    bundled = (importlib.resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
-    (tmp_path / "tasks.jsonl").write_text(bundled[0] + "\n")
-    config = tmp_path / "rollout.toml"
-    config.write_text(f"""[proxy]
-url = "{engine_proxy.url}"
-db = "{engine_proxy.db}"
-confdir = "{engine_proxy.confdir}"
-
-[route]
-base_url = "{vllm.url}"
-
-{agent}
-
-[[dataset]]
-name = "{name}-{marker}"
-path = "tasks.jsonl"
-
-[run]
-agent = "{name}"
-dataset = "{name}-{marker}"
-n = 2
-concurrency = 2
-timeout = 150
-model = "{vllm.model}"
-""")
-    done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
-                          timeout=400)
-    store = engine_proxy.store()
-    trajectories = store.query("SELECT id, metadata, status FROM trajectories WHERE id LIKE ?", [f"{name}-{marker}-%"])
-    from pathlib import Path
-
-    logs = [Path(json.loads(t["metadata"])["workdir"], "agent.log") for t in trajectories]
-    detail = done.stderr + "".join(f"\n--- {log}\n{log.read_text()[-1500:]}" for log in logs if log.exists())
+    done, trajectories, detail = run_recipe(
+        name, engine_proxy, vllm.url, vllm.model, marker, tmp_path, tasks=1, timeout=150,
+        agent_edit=lambda text: text.replace('DISABLE_AUTOUPDATER = "1"',
+                                             'DISABLE_AUTOUPDATER = "1", CLAUDE_CODE_MAX_OUTPUT_TOKENS = "64"'))
     steps = engine_proxy.steps("s.trajectory_id LIKE ?", [f"{name}-{marker}-%"], count=2)
     print(name, done.stderr[-300:], [(s["api"], s["status"], s["token_provenance"]) for s in steps])
     assert {s["api"] for s in steps} == {APIS[name]}, detail

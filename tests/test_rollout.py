@@ -137,7 +137,9 @@ def test_ctrl_c_keeps_what_ran_and_the_next_run_resumes(proxy, marker, tmp_path)
 
 
 def _sim_config(tmp_path, proxy, simulated_llm, marker, *, agents, extra_route="", proxy_section=True, n=4,
-                tasks=3):
+                tasks=3, prefix="sim", model="qwen-sim", timeout=120):
+    """Both shipped agents on the bundled tasks against an engine (``simulated_llm``: anything with a
+    ``url``, the real vLLM too), scored by the math reward."""
     import importlib.resources
 
     bundled = (importlib.resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
@@ -160,16 +162,16 @@ name = "token-loop"
 entry = "stepmill.agents.token_loop:run"
 
 [[dataset]]
-name = "sim-{marker}"
+name = "{prefix}-{marker}"
 path = "tasks.jsonl"
 
 [run]
 agent = {json.dumps(agents)}
-dataset = "sim-{marker}"
+dataset = "{prefix}-{marker}"
 n = {n}
 concurrency = 4
-timeout = 120
-model = "qwen-sim"
+timeout = {timeout}
+model = "{model}"
 policy_version = "{marker}"
 
 [[reward]]
