@@ -96,6 +96,9 @@ def messages_of(body: dict) -> list[dict]:
             for block in blocks:  # results answer the calls before them, ahead of any new text
                 if block.get("type") == "tool_result":
                     result = block.get("content")
+                    if isinstance(result, list) and any(isinstance(b, dict) and b.get("type") != "text"
+                                                        for b in result):
+                        raise Untranslatable("a tool result with images or documents")  # chat tool messages hold text
                     text = _text(result) if not isinstance(result, str) else result
                     out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                                 "content": ("Error: " if block.get("is_error") else "") + text})

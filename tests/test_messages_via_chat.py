@@ -115,3 +115,10 @@ def test_a_stream_cut_anywhere_translates_to_the_whole_answer(reasoning, text, t
     assert streamed.finish_reason == plain.finish_reason == {"stop": "end_turn", "length": "max_tokens",
                                                               "tool_calls": "tool_use"}[finish]
     assert streamed.usage["output_tokens"] == plain.usage["output_tokens"] == 4
+
+
+def test_a_tool_result_with_an_image_is_not_cut_down_to_its_text():
+    with pytest.raises(mvc.Untranslatable, match="tool result with images"):
+        mvc.request_to_chat({"model": "m", "messages": [{"role": "user", "content": [{
+            "type": "tool_result", "tool_use_id": "t1", "content": [
+                {"type": "text", "text": "see"}, {"type": "image", "source": {"type": "base64", "data": "AA"}}]}]}]})

@@ -85,3 +85,10 @@ def test_split_against_lists_and_arrays():
     assert split_against([1, 2, 3, 4], [1, 2, 9]) == (2, [3, 4])
     k, rest = split_against(np.array([1, 2, 3]), np.array([1, 2]))
     assert k == 2 and rest.tolist() == [3]
+
+
+def test_only_sglangs_own_generate_path_is_an_llm_call():
+    from stepmill.addon.protocols import match
+
+    assert match("/generate")[0] == "sglang.generate" and match("/generate?x=1")[0] == "sglang.generate"
+    assert match("/api/generate") is None  # Ollama's, and any other service's, pass untouched

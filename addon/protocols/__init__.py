@@ -15,8 +15,9 @@ ROUTES: list[tuple[re.Pattern, str, ModuleType]] = [
     (re.compile(r"/v1/completions$"), openai_chat.COMPLETIONS, openai_chat),
     (re.compile(r"/(v1|codex)/responses$"), openai_responses.API, openai_responses),
     (re.compile(r"/v1/messages$"), anthropic_messages.API, anthropic_messages),
-    # SGLang's native endpoint; recorded only on hosts the probe (or the setting) says are SGLang.
-    (re.compile(r"/generate$"), sglang_generate.API, sglang_generate),
+    # SGLang's native endpoint, at the server's root (Ollama's /api/generate and the like are no match);
+    # recorded only on hosts the probe (or the setting) says are SGLang.
+    (re.compile(r"^/generate$"), sglang_generate.API, sglang_generate),
 ]
 
 
