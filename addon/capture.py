@@ -69,6 +69,7 @@ class Capture:
     notes: list[str] = field(default_factory=list)
     done: bool = False
     translated: dict | None = None  # a Messages call served through chat: {"model", "stop_sequences"}
+    render_with: str | None = None  # a vLLM engine's root, whose /tokenize renders a call it gave no ids for
 
 
 @dataclass
@@ -445,18 +446,19 @@ class StepmillAddon:
     def _messages_via_chat(flow: http.HTTPFlow, capture: Capture, body: dict, kind: str | bool) -> None:
         """The engine's chat completions, asked for ids, in place of its /v1/messages: the step records
         the chat exchange (exact ids); the agent gets it back as Messages."""
-        render = ("the engine's /v1/messages has no token ids: render them with the engine's own chat template, "
-                  "`stepmill tokenize --tokenizer <its model folder>`")
+        request = flow.request
+        path = request.path.split("?", 1)[0]
+        if kind != "sglang":  # vLLM renders with its own template through /tokenize, at its root
+            capture.render_with = f"{request.scheme}://{request.host}:{request.port}{path[: -len('/v1/messages')]}"
         if not ctx.options.stepmill_messages_via_chat:
-            capture.notes.append(f"stepmill_messages_via_chat is off; {render}")
+            capture.notes.append("stepmill_messages_via_chat is off: the engine's /v1/messages gives no token ids")
             return
         try:
             chat = messages_via_chat.request_to_chat(body, engine="sglang" if kind == "sglang" else "vllm")
         except messages_via_chat.Untranslatable as exc:
-            capture.notes.append(f"sent to the engine's /v1/messages as it came ({exc}); {render}")
+            capture.notes.append(f"sent to the engine's /v1/messages as it came, which gives no token ids ({exc})")
             return
-        request = flow.request
-        path = request.path.split("?", 1)[0]
+        capture.render_with = None  # served through chat: exact ids
         request.path = path[: -len("/messages")] + "/chat/completions"
         request.set_content(recording.json_bytes(chat))
         capture.raw_request = request.raw_content or b""
@@ -517,7 +519,7 @@ class StepmillAddon:
         response.headers["content-type"] = "application/json"
 
     def _header(self, capture: Capture, kind: str) -> dict:
-        return {"kind": kind, **call_header(capture.call), "started": capture.started,
+        return {"kind": kind, **call_header(capture.call), "started": capture.started, "render_with": capture.render_with,
                 "policy_version": self.policy_version, "keep_raw": ctx.options.stepmill_keep_raw,
                 "request_encoding": capture.request_encoding}
 

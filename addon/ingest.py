@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from stepmill.store.db import Store
 
-from . import recording, tagging
+from . import engine_render, recording, tagging
 from .protocols import ROUTES, Completion, ParsedRequest, ProtocolError, openai_responses
 from .protocols.base import load_json_object
 from .recording import Call
@@ -149,6 +149,15 @@ class Ingest:
                 completion.status = "incomplete"
             completion.error = f"{cut}; {completion.error}" if completion.error else cut
         completion.notes = list(completion.notes) + notes
+        if header.get("render_with") and request is not None and completion.status == "ok" \
+                and completion.response_ids is None:
+            try:  # a network call, here before the transaction, never inside it
+                completion.prompt_ids, completion.response_ids, note = engine_render.render(
+                    header["render_with"], request_body, completion.wire)
+                completion.token_provenance = "rendered"
+                completion.notes.append(note)
+            except Exception as exc:
+                completion.notes.append(f"the engine could not render ids ({type(exc).__name__}: {exc})")
 
         def write() -> str:
             messages, wire = self.resolve_chain(request) if request is not None else ([], [])

@@ -140,7 +140,7 @@ def step_records(call: Call, request: ParsedRequest | None, parse_error: str | N
             prompt_ids=choice.prompt_ids,
             response_ids=choice.response_ids,
             logprobs=choice.logprobs,
-            token_provenance="exact" if choice.response_ids is not None else None,
+            token_provenance=choice.token_provenance or ("exact" if choice.response_ids is not None else None),
         ))
     return records
 

@@ -184,14 +184,14 @@ class Engine:
         self.policy = policy
         self.delay = delay
 
-    def render(self, messages: list[dict], tools: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict], generation_prompt: bool = True) -> str:
         flat = []
         for m in messages:
             message = {**m, "content": content_text(m.get("content"))}
             if m.get("tool_calls"):
                 message["tool_calls"] = [c for c in m["tool_calls"] if isinstance(c, dict) and c.get("function")]
             flat.append(message)
-        return self.tokenizer.apply_chat_template(flat, tools=tools or None, add_generation_prompt=True,
+        return self.tokenizer.apply_chat_template(flat, tools=tools or None, add_generation_prompt=generation_prompt,
                                                   tokenize=False)
 
     def encode(self, text: str) -> list[int]:
@@ -440,6 +440,22 @@ def response(engine: Engine, body: dict) -> tuple[dict, list[tuple[str, dict]]]:
     return done, events
 
 
+def tokenize(engine: Engine, body: dict) -> dict:
+    """vLLM's ``POST /tokenize``: ``prompt`` encoded, or ``messages`` rendered with the chat template."""
+    if "messages" in body:
+        text = engine.render(body["messages"], function_tools(body.get("tools")),
+                             generation_prompt=bool(body.get("add_generation_prompt", True)))
+    elif isinstance(body.get("prompt"), str):
+        text = body["prompt"]
+    else:
+        raise BadRequest("tokenize needs 'prompt' or 'messages'")
+    ids = engine.encode(text)
+    out = {"count": len(ids), "max_model_len": 32768, "tokens": ids}
+    if body.get("return_token_strs"):
+        out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+    return out
+
+
 def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -481,6 +497,8 @@ def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> Threa
                         else self._json(200, payload)
                 if path.endswith("/completions"):
                     return self._json(200, completion(engine, body))
+                if path == "/tokenize":  # vLLM's: a prompt, or chat messages through the template
+                    return self._json(200, tokenize(engine, body))
                 if path.endswith("/messages/count_tokens"):
                     from stepmill.addon.protocols import anthropic_messages
 

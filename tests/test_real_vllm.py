@@ -454,3 +454,57 @@ def test_recipe_against_the_real_vllm(name, engine_proxy, vllm, marker, tmp_path
         assert "exceeded the 64 output token maximum" in detail, detail
         return
     assert "2 runs finished (0 failed, 0 timed out)" in done.stderr, detail
+
+
+# --- Anthropic Messages ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def messages_off_proxy(vllm, tmp_path_factory):
+    """Messages left to vLLM's own /v1/messages (`stepmill_messages_via_chat=false`)."""
+    started = start_engine_proxy(tmp_path_factory.mktemp("vllm-proxy-messages"), vllm,
+                                 "--set", "stepmill_messages_via_chat=false")
+    yield started
+    stop_proxy(started)
+
+
+def _messages(proxy, vllm, mode: str, trajectory: str, streamed: bool, content: str) -> list:
+    client, base = through(proxy, vllm, mode, trajectory=trajectory)
+    body = {"model": vllm.model, "max_tokens": 16, **{k: v for k, v in SAMPLING.items() if k != "seed"},
+            "messages": [{"role": "user", "content": content}], "stream": streamed}
+    url = base.removesuffix("/v1") + "/v1/messages"
+    if streamed:
+        with client.stream("POST", url, json=body) as response:
+            assert response.status_code == 200, response.read()
+            kinds = [line[7:] for line in response.iter_lines() if line.startswith("event: ")]
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
+        return kinds
+    reply = post(client, url, body)
+    assert reply["type"] == "message" and reply["stop_reason"] in ("end_turn", "max_tokens"), reply
+    return [reply]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+def test_messages_exact_ids_through_chat(engine_proxy, vllm, marker, mode, streamed):
+    """Claude Code's protocol: served through vLLM's chat completions, the ids are exactly the prompt
+    and the sample a direct chat call with the same conversation gets."""
+    content = f"Messages {mode} {streamed}: say something."
+    _messages(engine_proxy, vllm, mode, f"msg-{mode}-{streamed}-{marker}", streamed, content)
+    [step] = engine_proxy.trajectory_steps(f"msg-{mode}-{streamed}-{marker}", 1)
+    assert step["token_provenance"] == "exact" and step["api"] == "openai.chat"
+    body = {"model": vllm.model, "max_tokens": 16, "temperature": 0, "return_token_ids": True,
+            "messages": [{"role": "user", "content": content}]}
+    expected = post(direct(vllm), f"{vllm.url}/chat/completions", body)
+    assert step["prompt_ids"] == expected["prompt_token_ids"]
+    assert step["response_ids"] == expected["choices"][0]["token_ids"]
+
+
+def test_messages_left_to_vllm_are_rendered_by_its_template(messages_off_proxy, vllm, marker):
+    content = f"Rendered {marker}: say something."
+    _messages(messages_off_proxy, vllm, "reverse", f"msg-off-{marker}", False, content)
+    [step] = messages_off_proxy.trajectory_steps(f"msg-off-{marker}", 1)
+    assert step["api"] == "anthropic.messages" and step["token_provenance"] == "rendered", step
+    body = {"model": vllm.model, "max_tokens": 1, "return_token_ids": True,
+            "messages": [{"role": "user", "content": content}]}
+    expected = post(direct(vllm), f"{vllm.url}/chat/completions", body)
+    assert step["prompt_ids"] == expected["prompt_token_ids"]  # the engine's own template, as its chat uses it

@@ -40,6 +40,7 @@ class Completion:
     response_ids: list[int] | None = None
     logprobs: list[float] | None = None
     notes: list[str] = field(default_factory=list)  # what did not parse cleanly
+    token_provenance: str | None = None  # where the ids came from when not the engine's own answer (rendered)
     # Choices 1..n-1 of a request with n > 1: more rollouts of the same prompt, one step each.
     alternatives: list["Completion"] = field(default_factory=list)
 
