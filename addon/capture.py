@@ -30,7 +30,7 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 
 from stepmill.store.db import Store
-from stepmill.store.journal import Journal, Position
+from stepmill.store.journal import Journal
 from stepmill.token import ensure_token
 
 from . import engine, messages_via_chat, recording, secrets, tagging
@@ -634,7 +634,7 @@ class StepmillAddon:
         handoff, journal, control = self.handoff, self.journal, self.control
         while handoff is not None and handoff.appended + handoff.dropped < target and time.monotonic() < deadline:
             await asyncio.sleep(BARRIER_POLL)
-        end = journal_end(journal) if journal is not None else None
+        end = journal.end() if journal is not None else None
         committed = False
         while end is not None and time.monotonic() < deadline:
             position = await loop.run_in_executor(self.control_thread, lambda: journal.committed(control.store))
@@ -645,10 +645,3 @@ class StepmillAddon:
         return {"committed": committed, "waited_ms": round((time.monotonic() - started) * 1000, 1),
                 **({} if committed else {"in_flight": inflight()})}
 
-
-def journal_end(journal: Journal) -> Position:
-    """Where the journal's appends end now (the last segment's size)."""
-    segments = journal.segments()
-    if not segments:
-        return Position(1, 0)
-    return Position(int(segments[-1].stem), segments[-1].stat().st_size)

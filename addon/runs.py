@@ -39,6 +39,9 @@ class Run:
     secret_hash: str
     rowid: int = 0  # its registration's row: a later one replaces it, an older one never does
 
+    def admits(self, secret: str | None) -> bool:
+        return bool(secret) and hmac.compare_digest(secret_hash(secret), self.secret_hash)
+
 
 class RunTable:
     def __init__(self):
@@ -68,14 +71,13 @@ class RunTable:
             raise Refused(f"the credentials of registered run {chosen.trajectory_id!r} come with another "
                           f"trajectory ({', '.join(sorted(map(repr, others)))}) in the same call")
         run = self.runs[chosen.trajectory_id]
-        return next((tags for tags in registered if tags.secret and hmac.compare_digest(
-            secret_hash(tags.secret), run.secret_hash)), chosen)
+        return next((tags for tags in registered if run.admits(tags.secret)), chosen)
 
     def resolve(self, credential: Tags | None, headers: Tags | None) -> Tags:
         """The tags a call is recorded under, or Refused with the reason."""
         if credential is not None and credential.trajectory_id in self.runs:
             run = self.runs[credential.trajectory_id]
-            if not credential.secret or not hmac.compare_digest(secret_hash(credential.secret), run.secret_hash):
+            if not run.admits(credential.secret):
                 raise Refused(f"trajectory {run.trajectory_id!r} is a registered run: its credentials carry "
                               f"a secret this request {'gets wrong' if credential.secret else 'lacks'}")
             return Tags(run.trajectory_id, run.group_id, run.channel)  # headers never override

@@ -240,6 +240,13 @@ class Journal:
                 size += max(0, path.stat().st_size - after.offset)
         return size
 
+    def end(self) -> Position:
+        """Where the appends end now (the last segment's size): what a barrier waits to see committed."""
+        segments = self.segments()
+        if not segments:
+            return Position(1, 0)
+        return Position(int(segments[-1].stem), segments[-1].stat().st_size)
+
     def committed(self, store) -> Position:
         """How far the writer committed this journal (kept in ``store``'s state table)."""
         return Position.parse(store.get_state(state_key(self.id)))
