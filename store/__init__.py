@@ -1,6 +1,6 @@
 """The data pool: step records in SQLite (WAL), browsed and curated with Datasette."""
 
-from .db import Store
-from .records import StepRecord
+from stepmill.store.db import Store
+from stepmill.store.records import StepRecord
 
 __all__ = ["Store", "StepRecord"]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass
 
-from .connection import StoreError
-from .records import StepRecord
+from stepmill.store.connection import StoreError
+from stepmill.store.records import StepRecord
 
 CANDIDATES = 64  # newest steps considered per key
 

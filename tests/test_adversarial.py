@@ -26,12 +26,12 @@ from pathlib import Path
 
 import pytest
 from stepmill.store import Store
-from stepmill.store.reward_functions import math_answer
-from stepmill.store.scoring import trajectory_input
+from stepmill.rewards.functions import math_answer
+from stepmill.rewards.scoring import trajectory_input
 
-from stepmill import isolation as iso
+from stepmill.runner import isolation as iso
 from stepmill.children import free_port
-from stepmill.token import ensure_token
+from stepmill.auth.token import ensure_token
 
 from .conftest import STEPMILL, TESTS, answers, http_json, wait_until
 
@@ -218,7 +218,7 @@ policy_version = "pv-{marker}"
 
 [[reward]]
 name = "math-{marker}"
-function = "stepmill.store.reward_functions:math_answer"
+function = "stepmill.rewards.functions:math_answer"
 """)
     done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
                           timeout=300, env=stack.env(), check=False)

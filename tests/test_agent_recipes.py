@@ -74,7 +74,7 @@ model = "{model}"
 
 [[reward]]
 name = "math"
-function = "stepmill.store.reward_functions:math_answer"
+function = "stepmill.rewards.functions:math_answer"
 """)
     done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
                           timeout=600)

@@ -134,9 +134,9 @@ def test_too_deep_to_parse_keeps_its_trajectory(proxy, marker):
 def test_every_fallback_keeps_the_flows_tags(tmp_path, kind):
     """A hook that failed (``failure``) and a call the writer could not read at all (an api it has no
     parser for) are bare error steps, still of the trajectory and group the flow was tagged with."""
-    from stepmill.addon.ingest import Ingest, call_header
-    from stepmill.addon.recording import Call
-    from stepmill.addon.tagging import Tags
+    from stepmill.pipeline.ingest import Ingest, call_header
+    from stepmill.pipeline.recording import Call
+    from stepmill.tags import Tags
     from stepmill.store import Store
 
     store = Store(tmp_path / "steps.db")

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepmill.addon.stream_tap import StreamTap
-from stepmill.addon.writer import Handoff
+from stepmill.pipeline.writer import Handoff
 from stepmill.children import free_port
-from stepmill.store.codecs import loads
+from stepmill.store.encoding import loads
 
 from .conftest import STEPMILL, http_json, start_proxy, stop_proxy, wait_until
 

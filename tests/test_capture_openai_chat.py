@@ -127,7 +127,7 @@ def test_n_choices_are_separate_rollouts_of_one_group(proxy, marker):
 
 
 def test_streamed_choices_are_assembled_per_index():
-    from stepmill.addon.protocols import openai_chat
+    from stepmill.protocols import openai_chat
 
     assembler = openai_chat.StreamAssembler()
     for index, text in ((0, "a"), (1, "b"), (0, "c"), (1, "d")):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from stepmill.store import Store
-from stepmill.store.dashboard import LIVE
-from stepmill.store.datasette_plugin import stepmill_path
+from stepmill.ui.dashboard import LIVE
+from stepmill.ui.datasette_plugin import stepmill_path
 
 from .browser import CHROMIUM, UI, Browser
 from .conftest import STEPMILL

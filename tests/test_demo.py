@@ -57,7 +57,7 @@ def test_init_writes_the_commented_example(tmp_path):
     assert done.returncode == 0, done.stderr
     text = target.read_text()
     assert 'base_url = "http://10.0.0.5:8000/v1"' in text and "[[reward]]" in text and "entry =" in text
-    from stepmill.rollout_config import load
+    from stepmill.runner.config import load
 
     config = load(target)  # the example is a valid configuration as written
     assert config.run.agent == ["tool-loop", "token-loop"] and config.run.n == 4

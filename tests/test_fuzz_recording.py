@@ -13,9 +13,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stepmill.addon import recording
-from stepmill.addon.protocols import anthropic_messages, openai_chat, openai_responses
-from stepmill.addon.recording import Call
+from stepmill.pipeline import recording
+from stepmill.protocols import anthropic_messages
+from stepmill.protocols import openai_chat
+from stepmill.protocols import openai_responses
+from stepmill.pipeline.recording import Call
 from stepmill.addon.stream_tap import StreamTap, assemble
 from stepmill.store import Store
 

@@ -8,11 +8,11 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stepmill.addon.ingest import Ingest, call_header
-from stepmill.addon.recording import Call
-from stepmill.addon.writer import Handoff, Writer
+from stepmill.pipeline.ingest import Ingest, call_header
+from stepmill.pipeline.recording import Call
+from stepmill.pipeline.writer import Handoff, Writer
 from stepmill.store import Store
-from stepmill.store.journal import Journal, Position, decode_entry, encode_entry, state_key
+from stepmill.pipeline.journal import Journal, Position, decode_entry, encode_entry, state_key
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 REPLY = {"id": "chatcmpl-1", "model": "m", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},

@@ -6,9 +6,9 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from stepmill.addon import messages_via_chat as mvc
-from stepmill.addon.protocols import anthropic_messages
-from stepmill.addon.sse import SSEDecoder
+from stepmill.protocols import messages_via_chat as mvc
+from stepmill.protocols import anthropic_messages
+from stepmill.protocols.sse import SSEDecoder
 
 
 def test_a_claude_code_request_becomes_the_chat_request_for_the_same_sample():

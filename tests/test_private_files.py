@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from stepmill.store import StepRecord, Store
-from stepmill.store.journal import Journal, encode_entry
+from stepmill.pipeline.journal import Journal, encode_entry
 
 from .conftest import STEPMILL
 

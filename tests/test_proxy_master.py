@@ -63,7 +63,7 @@ def writer_of(process: subprocess.Popen) -> int:
                     cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
                 except OSError:
                     continue
-                if int(stat[1]) == process.pid and b"stepmill.addon.writer" in cmdline:
+                if int(stat[1]) == process.pid and b"stepmill.pipeline.writer" in cmdline:
                     return int(entry)
         return None
     return wait_until(find, timeout=30, what="the writer process")
@@ -120,7 +120,7 @@ def test_idle_writer_leaves_idle_priority_for_its_transactions_where_permitted()
     """The write lock is never held at idle priority by a process that may leave it."""
     code = """
 import os, resource
-from stepmill.addon.writer import Priority
+from stepmill.pipeline.writer import Priority
 p = Priority("idle")
 p.apply()
 assert os.sched_getscheduler(0) == os.SCHED_IDLE and os.getpriority(os.PRIO_PROCESS, 0) == 10

@@ -94,7 +94,7 @@ def test_anonymous_writes_are_refused_and_named_reviewers_sign_in(proxy, marker,
 
 
 def test_datasette_is_told_that_only_signed_in_actors_read_wherever_it_listens(tmp_path):
-    from stepmill.store.ui import serve_args
+    from stepmill.ui.settings import serve_args
 
     for host in ("0.0.0.0", "127.0.0.1"):
         args = serve_args(tmp_path / "x.db", tmp_path, host=host, port=8001)

@@ -42,7 +42,7 @@ model = "gpt-test"
 {extra}
 [[reward]]
 name = "math-{marker}"
-function = "stepmill.store.reward_functions:math_answer"
+function = "stepmill.rewards.functions:math_answer"
 """)
     return config
 
@@ -176,7 +176,7 @@ policy_version = "{marker}"
 
 [[reward]]
 name = "math-{marker}"
-function = "stepmill.store.reward_functions:math_answer"
+function = "stepmill.rewards.functions:math_answer"
 """)
     return config
 
@@ -271,7 +271,7 @@ def test_parquet_datasets_and_bundled_ones(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stepmill.rollout_config import load
+    from stepmill.runner.config import load
 
     pq.write_table(pa.table({"prompt": ["What is 1 + 1?", "What is 2 + 2?"], "answer": ["2", "4"]}),
                    tmp_path / "tasks.parquet")
@@ -328,7 +328,7 @@ def test_a_white_box_run_cut_short_runs_again_cleanly(proxy, simulated_llm, mark
     # Out as an earlier attempt whatever its label, so a late commit of the cut-short run stays out too,
     # and the reward is the rerun's: scored on the latest attempt's steps alone.
     assert gate["removed_by_reason"] == {"an earlier attempt of its run": 1}
-    from stepmill.store.scoring import trajectory_input
+    from stepmill.rewards.scoring import trajectory_input
 
     row = store.query("SELECT * FROM trajectories WHERE id = ?", [trajectory])[0]
     assert [s["step_id"] for s in trajectory_input(store, row)["steps"]] == [s["id"] for s in new]

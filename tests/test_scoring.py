@@ -38,25 +38,25 @@ def scored_db(proxy, marker, tmp_path):
     config.write_text(f"""
 [[reward]]
 name = "math-{marker}"
-function = "stepmill.store.reward_functions:math_answer"
+function = "stepmill.rewards.functions:math_answer"
 where = {{ "metadata.dataset" = "gsm8k" }}
 
 [[reward]]
 name = "boxed-{marker}"
-function = "stepmill.store.reward_functions:regex_match"
+function = "stepmill.rewards.functions:regex_match"
 options = {{ pattern = "boxed\\\\{{\\\\d+\\\\}}" }}
 
 [[reward]]
 name = "json-{marker}"
-function = "stepmill.store.reward_functions:json_valid"
+function = "stepmill.rewards.functions:json_valid"
 
 [[reward]]
 name = "tools-{marker}"
-function = "stepmill.store.reward_functions:tool_success_rate"
+function = "stepmill.rewards.functions:tool_success_rate"
 
 [[reward]]
 name = "judge-{marker}"
-function = "stepmill.store.reward_functions:llm_judge"
+function = "stepmill.rewards.functions:llm_judge"
 source = "model"
 options = {{ base_url = "http://127.0.0.1:{proxy.reverse_port}/v1", model = "judge-test", rubric = "Is the answer right?" }}
 
@@ -103,7 +103,7 @@ def test_score_with_each_shipped_function_and_a_failing_one(proxy, marker, score
 
 def test_a_bad_configuration_names_the_key(proxy, tmp_path):
     config = tmp_path / "bad.toml"
-    config.write_text('[[reward]]\nname = "x"\nfunction = "stepmill.store.reward_functions:math_answer"\nsourc = "rule"\n')
+    config.write_text('[[reward]]\nname = "x"\nfunction = "stepmill.rewards.functions:math_answer"\nsourc = "rule"\n')
     done = subprocess.run(STEPMILL + ["score", "--db", str(proxy.db), "--config", str(config)],
                           capture_output=True, text=True)
     assert done.returncode != 0 and "unknown key 'sourc'" in done.stderr

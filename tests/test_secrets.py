@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from websockets.sync.client import connect as ws_connect
 
-from stepmill.addon.secrets import redact_text
-from stepmill.addon.writer import Handoff
+from stepmill.pipeline.redaction import redact_text
+from stepmill.pipeline.writer import Handoff
 
 from .conftest import start_proxy, stop_proxy, wait_until
 

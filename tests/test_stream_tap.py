@@ -15,8 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stepmill.addon import engine
-from stepmill.addon.protocols import anthropic_messages, openai_chat, openai_responses
-from stepmill.addon.sse import SSEDecoder
+from stepmill.protocols import anthropic_messages
+from stepmill.protocols import openai_chat
+from stepmill.protocols import openai_responses
+from stepmill.protocols.sse import SSEDecoder
 from stepmill.addon.stream_tap import StreamTap, assemble
 
 try:
@@ -194,7 +196,7 @@ def test_arbitrary_bytes_never_raise_and_always_pass(body, points):
                                            b"\r\n", b"{\"a\": 1}", b"[DONE]", b"id: 7\n"]),
                           st.binary(max_size=8)), max_size=30))
 def test_the_whole_body_split_agrees_with_the_incremental_decoder(parts):
-    from stepmill.addon.sse import events_of
+    from stepmill.protocols.sse import events_of
 
     body = b"".join(parts)
     decoder = SSEDecoder()

@@ -6,7 +6,7 @@ import urllib.parse
 
 from hypothesis import given, strategies as st
 
-from stepmill.addon import tagging
+from stepmill import tags as tagging
 
 # Any Unicode the control API accepts as an id (no lone surrogates), the URL specials included.
 ids = st.one_of(

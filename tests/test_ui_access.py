@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from markupsafe import escape as html_escape
 
 from stepmill.store import StepRecord, Store
-from stepmill.store.datasette_plugin import register_routes, stepmill_path
+from stepmill.ui.datasette_plugin import register_routes, stepmill_path
 
 from .browser import UI
 from .conftest import STEPMILL

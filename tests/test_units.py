@@ -4,8 +4,10 @@ import base64
 
 import numpy as np
 
-from stepmill.addon import engine, tagging
-from stepmill.addon.sse import SSEDecoder
+from stepmill.addon import engine
+
+from stepmill import tags as tagging
+from stepmill.protocols.sse import SSEDecoder
 from stepmill.store.sequences import split_against
 
 
@@ -37,8 +39,8 @@ def test_tag_path_and_credentials():
 
 
 def test_stored_headers_are_an_allowlist():
-    from stepmill.addon.secrets import allowed_headers
-    from stepmill.addon.writer import redact_header
+    from stepmill.pipeline.redaction import allowed_headers
+    from stepmill.pipeline.writer import redact_header
 
     kept = allowed_headers({"Authorization": "Bearer x", "x-api-key": "k", "Cookie": "c", "Content-Length": "12",
                            "User-Agent": "claude-cli/1.0", "anthropic-beta": "tools",
@@ -88,7 +90,7 @@ def test_split_against_lists_and_arrays():
 
 
 def test_only_sglangs_own_generate_path_is_an_llm_call():
-    from stepmill.addon.protocols import match
+    from stepmill.protocols import match
 
     assert match("/generate")[0] == "sglang.generate" and match("/generate?x=1")[0] == "sglang.generate"
     assert match("/api/generate") is None  # Ollama's, and any other service's, pass untouched

@@ -1,9 +1,9 @@
 """From step records to what trainers consume: token ids with provenance, checks, tensors, exports."""
 
-from .layouts import Batch, step_batches, trajectory_batch, trajectory_rows, tree_batch
-from .prefix_tree import PackedTree, dense_tree_mask, flex_mask_mod, pack_tree
-from .render import Rendered, Renderer, load_tokenizer
-from .tokenize_steps import TokenizeReport, tokenize_steps
+from stepmill.trainer_bridge.layouts import Batch, step_batches, trajectory_batch, trajectory_rows, tree_batch
+from stepmill.trainer_bridge.prefix_tree import PackedTree, dense_tree_mask, flex_mask_mod, pack_tree
+from stepmill.trainer_bridge.render import Rendered, Renderer, load_tokenizer
+from stepmill.trainer_bridge.tokenize_steps import TokenizeReport, tokenize_steps
 
 __all__ = ["Batch", "step_batches", "trajectory_batch", "trajectory_rows", "tree_batch", "PackedTree",
            "dense_tree_mask", "flex_mask_mod", "pack_tree", "Rendered", "Renderer", "load_tokenizer",

@@ -22,7 +22,7 @@ from typing import Iterator
 
 from stepmill.store.db import Store, now_iso
 
-from .layouts import Batch, step_batches
+from stepmill.trainer_bridge.layouts import Batch, step_batches
 
 READY = """
 SELECT t.group_id, min(t.policy_version) AS oldest

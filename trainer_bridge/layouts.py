@@ -23,7 +23,7 @@ import numpy as np
 
 from stepmill.store.db import Store
 
-from .prefix_tree import PackedTree, pack_tree
+from stepmill.trainer_bridge.prefix_tree import PackedTree, pack_tree
 
 OVERLONG = ("drop", "truncate")
 

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from stepmill import __version__
-from stepmill.store.connection import private_dir, private_opener
+from stepmill.private_files import private_dir, private_opener
 from stepmill.store.db import Store, now_iso
-from stepmill.store.linking import content_text
+from stepmill.protocols.messages import content_text
 
 FLAVOURS = ("tokens", "messages")
 

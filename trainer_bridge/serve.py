@@ -22,8 +22,8 @@ import numpy as np
 
 from stepmill.store.db import Store
 
-from .consume import Consumer, acknowledging
-from .layouts import Batch
+from stepmill.trainer_bridge.consume import Consumer, acknowledging
+from stepmill.trainer_bridge.layouts import Batch
 
 CLAIM_FIELDS = {"consumer", "n", "channel", "lease_seconds", "max_staleness"}
 
@@ -111,7 +111,7 @@ class RemoteConsumer:
 
     def __init__(self, url: str, name: str, *, token: str | None = None, confdir: str | None = None,
                  timeout: float = 120, **params):
-        from stepmill.token import read_token
+        from stepmill.auth.token import read_token
 
         self.url, self.name, self.timeout = url.rstrip("/"), name, timeout
         self.token = token or read_token(confdir)

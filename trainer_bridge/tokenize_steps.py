@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 from stepmill.store.db import Store
 
-from .render import Rendered, Renderer, load_tokenizer, template_tools
+from stepmill.trainer_bridge.render import Rendered, Renderer, load_tokenizer, template_tools
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from .tool_loop import CALCULATOR, run_tool
+from stepmill.agents.tool_loop import CALCULATOR, run_tool
 
 SYSTEM = "Solve the task. Use the calculator for arithmetic. End with the answer in \\boxed{}."
 

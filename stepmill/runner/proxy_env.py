@@ -68,7 +68,7 @@ def agent_env(host: str, port: int, confdir: str | None = None, trajectory: str 
               group: str | None = None, secret: str | None = None, bundle: str | None = None) -> dict[str, str]:
     """``secret``: a registered run's (its credentials then carry it instead of the group);
     ``bundle``: the trust bundle's path as the agent sees it (default: the confdir's)."""
-    from stepmill.addon.tagging import proxy_url
+    from stepmill.tags import proxy_url
 
     url = proxy_url(host, port, trajectory, group, secret)
     return {

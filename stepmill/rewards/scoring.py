@@ -2,7 +2,7 @@
 
     [[reward]]
     name = "math"                                                   # the reward rows' name
-    function = "stepmill.store.reward_functions:math_answer"        # module:function
+    function = "stepmill.rewards.functions:math_answer"        # module:function
     source = "rule"                                                 # rule | model | env | human | api
     where = { channel = "train", "metadata.dataset" = "gsm8k" }     # which trajectories (all if absent)
     options = { answer_key = "answer" }                             # keyword arguments of the function
@@ -26,9 +26,9 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from . import curation
-from .codecs import dumps, loads
-from .db import Store, now_iso
+from stepmill.store import curation
+from stepmill.store.encoding import dumps, loads
+from stepmill.store.db import Store, now_iso
 
 SPEC_KEYS = {"name", "function", "source", "where", "options"}
 

@@ -25,16 +25,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stepmill.addon.tagging import encode_id, tag_path
+from stepmill.tags import encode_id, tag_path
 
-from stepmill.store.connection import private_opener
+from stepmill.private_files import private_opener
 
-from . import isolation as iso
-from .children import die_with_parent, free_port
-from .client import ControlError, StepmillClient
-from .proxy_env import agent_env, ensure_bundle, trust_env
-from .rollout_config import Config, Route
-from .token import ENV as TOKEN_ENV
+from stepmill.runner import isolation as iso
+from stepmill.children import die_with_parent, free_port
+from stepmill.client import ControlError, StepmillClient
+from stepmill.runner.proxy_env import agent_env, ensure_bundle, trust_env
+from stepmill.runner.config import Config, Route
+from stepmill.auth.token import ENV as TOKEN_ENV
 
 # What a white-box run reports of a step: only what the runner cannot know itself. Reward, policy
 # version, trajectory, group, channel, model and is_last come from the runner.
@@ -82,7 +82,7 @@ class ProxyHandle:
                     [sys.executable, "-m", "stepmill.cli", "proxy", "--port", str(port), "--db", self.db,
                      "--confdir", self.confdir, *args, *proxy.get("args", [])], stdout=log,
                     stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-        from .token import ensure_token
+        from stepmill.auth.token import ensure_token
 
         ensure_token(self.confdir)  # a proxy started here creates it too; the client reads it now
         # Longer than the proxy's commit barrier (60 s): a complete that waits for it is answered first.
@@ -155,7 +155,7 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool, mode: str) -> R
         proxy.client.set_policy_version(run.policy_version)
     white_box_tokenizer = config.route.tokenizer
     if not white_box_tokenizer and any(config.agents[name].entry for name in run.agent):
-        from .qwen_vocab import default_folder
+        from stepmill.qwen_vocab import default_folder
 
         white_box_tokenizer = str(default_folder())  # the bundled Qwen2 vocabulary, built once
     report.isolation = mode
@@ -431,7 +431,7 @@ def _print_progress(report: Report, store, dataset: str, end: str | None = None)
 
 def _score(config: Config, db: str, dataset: str) -> None:
     from stepmill.store import Store
-    from stepmill.store.scoring import load_config, score
+    from stepmill.rewards.scoring import load_config, score
 
     reports = score(Store(db), load_config(config.path, other_sections=True), where="t.id LIKE :p",
                     params={"p": f"{dataset}-%"}, progress=False)

@@ -20,8 +20,8 @@ import urllib.request
 from importlib import resources
 from pathlib import Path
 
-from .children import die_with_parent, free_port
-from .simulated_llm import LABEL, MODEL
+from stepmill.children import die_with_parent, free_port
+from stepmill.simulated_llm import LABEL, MODEL
 
 REAL_LLM_LINE = 'base_url = "http://your-vllm-host:8000/v1"   # in [route] of {config}'
 
@@ -153,7 +153,7 @@ def start_vllm(folder: Path, *, tokenizer: Path | None = None, python: Path | No
     if python is None:
         raise RuntimeError(f"vLLM is not installed: run {ENGINE_INSTALL} (it makes .engines/vllm, about 6 GB)")
     if tokenizer is None:
-        from .qwen_vocab import default_folder
+        from stepmill.qwen_vocab import default_folder
 
         tokenizer = default_folder()
     folder = Path(folder)
@@ -177,11 +177,11 @@ ISOLATION_SAYS = {
 
 def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6, ui: bool = True,
              wait: bool = True, ui_port: int | None = None, engine: str = "simulated") -> dict:
-    from .qwen_vocab import default_folder
-    from .isolation import resolve as resolve_isolation
-    from .store.connection import private_dir, private_opener
-    from .rollout import rollout
-    from .rollout_config import load
+    from stepmill.qwen_vocab import default_folder
+    from stepmill.runner.isolation import resolve as resolve_isolation
+    from stepmill.private_files import private_dir, private_opener
+    from stepmill.runner.rollout import rollout
+    from stepmill.runner.config import load
 
     started = time.time()
     folder = folder.resolve()
@@ -238,7 +238,7 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
         report = rollout(config, db=str(db), progress=True)
         summary["runs"] = {"done": report.done, "failed": report.failed, "timed_out": report.timed_out}
 
-        from .store import Store
+        from stepmill.store import Store
 
         store = Store(str(db))
         say("represent", f"steps in {db}")
@@ -279,7 +279,7 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
         summary["mixed_groups"] = len(mixed)
 
         say("optimize", "batches through the trainer bridge")
-        from .trainer_bridge.layouts import step_batches, tree_batch
+        from stepmill.trainer_bridge.layouts import step_batches, tree_batch
 
         packed = original = 0
         for group in groups:
@@ -304,7 +304,7 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
         summary["batched_steps"] = written
 
         say("consume", "whole groups, each handed out once")
-        from .trainer_bridge.consume import Consumer
+        from stepmill.trainer_bridge.consume import Consumer
 
         consumer = Consumer(store, "demo-trainer", n=n)
         claimed = rows = 0

@@ -9,7 +9,7 @@ proxy. The writer parses,
 links and writes in batches, one transaction each, recording how far in the journal it got in
 that same transaction; it checkpoints the WAL itself. A locked database or a full disk only
 makes the journal grow; the calls are committed when the file takes writes again, or by the
-next writer that starts. Run as a process (``python -m stepmill.addon.writer``), the writer
+next writer that starts. Run as a process (``python -m stepmill.pipeline.writer``), the writer
 gets a core of its own and its parsing never holds the proxy's GIL.
 """
 
@@ -31,12 +31,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from stepmill.store.db import Store
-from stepmill.store.journal import Journal, decode_entry, entry_parts, state_key
+from stepmill.pipeline.journal import Journal, decode_entry, entry_parts, state_key
 
-from .ingest import Ingest
-from .recording import EnvironmentFailure
-from .secrets import redact_bytes, redact_text
-from .stream_tap import decode_kept
+from stepmill.pipeline.ingest import Ingest
+from stepmill.pipeline.recording import EnvironmentFailure
+from stepmill.pipeline.redaction import redact_bytes, redact_text
+from stepmill.addon.stream_tap import decode_kept
 
 log = logging.getLogger("stepmill")
 
@@ -280,7 +280,7 @@ class ProcessWriter:
 
     def __init__(self, db_path: str, journal: Journal, priority: str = "idle"):
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "stepmill.addon.writer", "--db", db_path, "--journal", str(journal.folder),
+            [sys.executable, "-m", "stepmill.pipeline.writer", "--db", db_path, "--journal", str(journal.folder),
              "--priority", priority],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=None)
         self._lock = threading.Lock()

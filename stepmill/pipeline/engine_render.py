@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
-from . import messages_via_chat
+from stepmill.protocols import messages_via_chat
 
 TIMEOUT = 10.0
 

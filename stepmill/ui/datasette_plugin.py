@@ -31,10 +31,12 @@ from datasette.utils import await_me_maybe, tilde_encode
 from datasette.utils.asgi import Request, Response
 from markupsafe import Markup, escape
 
-from . import dashboard, reviewers
-from .db import Store
-from .lifecycle import STAGES, lifecycle
-from .linking import content_text
+from stepmill.store import reviewers
+
+from stepmill.ui import dashboard
+from stepmill.store.db import Store
+from stepmill.ui.lifecycle import STAGES, lifecycle
+from stepmill.protocols.messages import content_text
 
 SIGN_IN = "/-/stepmill/sign-in"
 # What anonymous visitors may fetch: the sign-in routes and static assets, nothing with data in it.

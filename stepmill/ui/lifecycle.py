@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from . import curation
+from stepmill.store import curation
 
 STAGES = ["collected", "tokenized", "rewarded", "reviewed", "trainable"]
 

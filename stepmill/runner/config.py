@@ -39,7 +39,7 @@
 
     [[reward]]                                # as in `stepmill score`
     name = "math"
-    function = "stepmill.store.reward_functions:math_answer"
+    function = "stepmill.rewards.functions:math_answer"
 
 Unknown keys and bad values are errors that name the key and its line.
 """
@@ -52,7 +52,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .isolation import MODES, Isolation
+from stepmill.runner.isolation import MODES, Isolation
 
 
 class ConfigError(ValueError):

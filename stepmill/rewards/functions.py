@@ -12,7 +12,7 @@ import re
 import urllib.request
 from fractions import Fraction
 
-from .linking import content_text
+from stepmill.protocols.messages import content_text
 
 _BOXED = re.compile(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")

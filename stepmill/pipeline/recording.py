@@ -19,10 +19,10 @@ from typing import Any
 from stepmill.store.db import Store
 from stepmill.store.records import StepRecord
 
-from . import tagging
-from .protocols import Completion, ParsedRequest, ProtocolError
-from .protocols.base import load_json_object
-from .secrets import redact_bytes, redact_json, redact_text
+from stepmill import tags as tagging
+from stepmill.protocols import Completion, ParsedRequest, ProtocolError
+from stepmill.protocols.base import load_json_object
+from stepmill.pipeline.redaction import redact_bytes, redact_json, redact_text
 
 log = logging.getLogger("stepmill")
 # SQLite errors that say the file cannot be written now (not that this call is odd): the writer

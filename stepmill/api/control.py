@@ -24,8 +24,8 @@ from stepmill import __version__
 from stepmill.store.db import Store, StoreError, now_iso
 from stepmill.store.records import StepRecord
 
-from . import tagging
-from .runs import Run, new_secret, secret_hash
+from stepmill import tags as tagging
+from stepmill.auth.runs import Run, new_secret, secret_hash
 
 PUBLIC = {("GET", "/v1/health")}  # what anonymous callers may do
 MAX_INT = 2**63 - 1

@@ -14,8 +14,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from . import curation
-from .db import Store, loads
+from stepmill.store import curation
+from stepmill.store.db import Store, loads
 
 # An open run is starting until its first step is recorded (it may wait for a slot), then running.
 _OPEN_STATE = ("CASE WHEN json_extract(r.metadata, '$.outcome') IS NOT NULL THEN 'finishing' WHEN EXISTS "

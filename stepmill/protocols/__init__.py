@@ -5,8 +5,14 @@ from __future__ import annotations
 import re
 from types import ModuleType
 
-from . import anthropic_messages, openai_chat, openai_responses, sglang_generate
-from .base import Completion, ParsedRequest, ProtocolError
+from stepmill.protocols import anthropic_messages
+
+from stepmill.protocols import openai_chat
+
+from stepmill.protocols import openai_responses
+
+from stepmill.protocols import sglang_generate
+from stepmill.protocols.base import Completion, ParsedRequest, ProtocolError
 
 # (path pattern, api name, module). Paths are matched without the query string, at the end,
 # so a vLLM or SGLang server under any prefix is recognised.

@@ -16,7 +16,7 @@ import hmac
 import secrets as _secrets
 from dataclasses import dataclass
 
-from .tagging import Tags
+from stepmill.tags import Tags
 
 
 class Refused(Exception):

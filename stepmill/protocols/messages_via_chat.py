@@ -16,7 +16,7 @@ import json
 import uuid
 from typing import Any
 
-from .sse import Event
+from stepmill.protocols.sse import Event
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
                 "abort": "end_turn"}

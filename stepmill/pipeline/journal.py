@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .connection import private_dir, private_opener
+from stepmill.private_files import private_dir, private_opener
 
 _HEAD = struct.Struct("<II")  # length of payload, crc32 of payload
 _U32 = struct.Struct("<I")

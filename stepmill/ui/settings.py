@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .lifecycle import AGENT, HEADERS_JOIN, USER_AGENT
+from stepmill.ui.lifecycle import AGENT, HEADERS_JOIN, USER_AGENT
 
 STEP_COLUMNS = {
     "id": "Step id; open /-/stepmill/steps/<id> for the readable conversation",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .base import AssistantBuilder, Completion, ParsedRequest, ProtocolError, canonical_content, tool_call, usage_of
+from stepmill.protocols.base import AssistantBuilder, Completion, ParsedRequest, ProtocolError, canonical_content, tool_call, usage_of
 
 API = "openai.responses"
 TERMINAL_EVENTS = {"response.completed", "response.incomplete", "response.failed", "error"}

@@ -14,11 +14,16 @@ from collections.abc import Callable
 
 from stepmill.store.db import Store
 
-from . import engine_render, recording, tagging
-from .protocols import ROUTES, Completion, ParsedRequest, ProtocolError, openai_responses
-from .protocols.base import load_json_object
-from .recording import Call
-from .stream_tap import assemble, decode_kept
+from stepmill.pipeline import engine_render
+
+from stepmill.pipeline import recording
+
+from stepmill import tags as tagging
+from stepmill.protocols import ROUTES, Completion, ParsedRequest, ProtocolError
+from stepmill.protocols import openai_responses
+from stepmill.protocols.base import load_json_object
+from stepmill.pipeline.recording import Call
+from stepmill.addon.stream_tap import assemble, decode_kept
 
 MODULES = {api: module for _, api, module in ROUTES}
 # A Responses WebSocket frame that ends a turn: found on the loop without parsing the frame.

@@ -1,0 +1,1 @@
+"""The control API: its routes, their checks and handlers (served by the proxy on its magic host)."""

@@ -1,0 +1,1 @@
+"""Rewards: reward functions and the scoring that runs them over finished trajectories."""

@@ -1,0 +1,1 @@
+"""The UI: the Datasette plugin, its pages (lifecycle, dashboard, groups), templates and settings."""
