@@ -9,6 +9,7 @@ deployment; set for a trainer or an app, it is what they send. Agents are never 
 
 from __future__ import annotations
 
+import hmac
 import os
 import secrets
 from pathlib import Path
@@ -50,3 +51,9 @@ def ensure_token(confdir: str | None = None) -> str:
         handle.write(token + "\n")
     os.chmod(path, 0o600)
     return token
+
+
+def bearer_matches(authorization: str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header carries ``token`` as a bearer token (compared in constant time)."""
+    scheme, _, value = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
