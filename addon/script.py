@@ -1,5 +1,5 @@
 """Load with ``mitmdump -s <this file> --set stepmill_db=steps.db``."""
 
-from stepmill.addon.capture import StepmillAddon
+from stepmill.addon.main import StepmillAddon
 
 addons = [StepmillAddon()]

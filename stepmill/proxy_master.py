@@ -25,7 +25,7 @@ from mitmproxy.proxy import events, layer, mode_servers
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.utils import expect
 
-from stepmill.addon.capture import StepmillAddon
+from stepmill.addon.main import StepmillAddon
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ _reverse_top_layer = mode_servers.ReverseInstance.make_top_layer
 
 def _top_layer(instance: mode_servers.ReverseInstance, context) -> layer.Layer:
     stepmill = getattr(ctx.master, "stepmill", None)  # only under this master; other reverse modes as ever
-    if stepmill is not None and stepmill._is_control_mode(instance.mode):
+    if stepmill is not None and stepmill.control.is_control_mode(instance.mode):
         return ControlListener(context)
     return _reverse_top_layer(instance, context)
 

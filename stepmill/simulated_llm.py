@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from stepmill.protocols.http_json import send_json
 from stepmill.protocols.messages import content_text
 
 MODEL = "stepmill-simulated-qwen"
@@ -464,13 +465,7 @@ def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> Threa
         def log_message(self, *args):  # quiet: the proxy records every call anyway
             pass
 
-        def _json(self, status: int, payload: dict):
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+        _json = send_json  # status + JSON body
 
         def _error(self, status: int, message: str):
             self._json(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass
 
-from stepmill.store.connection import StoreError
+from stepmill.errors import BadInput
 from stepmill.store.records import StepRecord
 
 CANDIDATES = 64  # newest steps considered per key
@@ -55,7 +55,7 @@ def find_parent(conn: sqlite3.Connection, rec: StepRecord, trajectory_id: str | 
     if rec.parent_step_id:
         row = conn.execute("SELECT trajectory_id, system_hash FROM steps WHERE id = ?", [rec.parent_step_id]).fetchone()
         if row is None:
-            raise StoreError(f"parent step {rec.parent_step_id!r} does not exist")
+            raise BadInput(f"parent step {rec.parent_step_id!r} does not exist")
         return Parent(rec.parent_step_id, row[0], row[1])
     if rec.previous_response_id:
         row = conn.execute(

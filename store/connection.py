@@ -1,4 +1,4 @@
-"""Opening the SQLite file and taking write transactions.
+"""Opening the SQLite file, write transactions and batches, and checkpoints of its WAL.
 
 Writers open it read-write (WAL, migrations applied); readers (exports, stats, the UI) can open
 it read-only and never take the write lock, so they work while another process writes.
@@ -10,19 +10,16 @@ import os
 import sqlite3
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import sqlite_utils
 
+from stepmill.errors import BadInput, StoreUnavailable
 from stepmill.private_files import private_opener
 from stepmill.store.migrations import MIGRATIONS, migrate, pending
 
 BUSY_TIMEOUT_MS = 30000
-
-
-class StoreError(ValueError):
-    """A request the store refuses, with a message saying why."""
-
+CHECKPOINT_MODES = ("PASSIVE", "FULL", "RESTART", "TRUNCATE")
 
 def _private_database(path: str) -> None:
     """SQLite gives -wal, -shm and -journal the database file's mode, so the file is made 0600 before
@@ -49,16 +46,16 @@ def open_database(path: str, *, readonly: bool = False) -> tuple[sqlite_utils.Da
     """
     if readonly:
         if not Path(path).exists():
-            raise StoreError(f"no stepmill database at {path}")
+            raise StoreUnavailable(f"no stepmill database at {path}")
         conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000,
                                check_same_thread=False, isolation_level=None)
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         db = sqlite_utils.Database(conn)
         missing = pending(db)
         if missing and len(missing) == len(MIGRATIONS):
-            raise StoreError(f"{path} is not a stepmill database (no schema); open it once with a writer")
+            raise StoreUnavailable(f"{path} is not a stepmill database (no schema); open it once with a writer")
         if missing:
-            raise StoreError(f"{path} has schema version {len(MIGRATIONS) - len(missing)}, this stepmill reads "
+            raise StoreUnavailable(f"{path} has schema version {len(MIGRATIONS) - len(missing)}, this stepmill reads "
                              f"{len(MIGRATIONS)}; open it once with a writer (e.g. `stepmill proxy`) to migrate")
         return db, len(MIGRATIONS)
     _private_database(path)
@@ -84,3 +81,57 @@ def write_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         conn.execute("ROLLBACK")
         raise
     conn.execute("COMMIT")
+
+
+class Transactions:
+    """Closing, write transactions, batches and WAL checkpoints; a part of ``Store``.
+
+    ``Store.__init__`` opens ``self.db``; ``self._batch`` is the list of cache entries a batch
+    publishes once it commits (None outside a batch).
+    """
+
+    def close(self) -> None:
+        self.db.conn.close()
+
+    @contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, taken up front so concurrent writers queue instead of failing."""
+        if self.readonly:
+            raise StoreUnavailable(f"{self.path} was opened read-only")
+        with write_transaction(self.db.conn) as conn:
+            yield conn
+
+    @contextmanager
+    def batch(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction around many ``record_steps`` (and ``set_state``) calls: the writer
+        commits in batches. What the calls cached is kept only once the batch commits."""
+        self._batch = []
+        try:
+            with self.write() as conn:
+                yield conn
+            for key, value in self._batch:
+                self._cache.put(key, value)
+        finally:
+            self._batch = None
+
+    def query(self, sql: str, params: Any = ()) -> list[dict]:
+        """Rows of a read query, as dicts (inside the store and in tests; callers ask named methods)."""
+        return list(self.db.query(sql, params))
+
+    def data_version(self) -> int:
+        """A number that changes whenever another connection commits to the file."""
+        return self.db.conn.execute("PRAGMA data_version").fetchone()[0]
+
+    def manage_checkpoints(self) -> None:
+        """Turn SQLite's automatic checkpoints off: the writer process checkpoints between its batches."""
+        self.db.conn.execute("PRAGMA wal_autocheckpoint = 0")
+
+    def checkpoint(self, mode: str) -> bool:
+        """Fold the WAL into the file ("PASSIVE" or "TRUNCATE"); False when a reader holds the WAL."""
+        if mode not in CHECKPOINT_MODES:
+            raise BadInput(f"a checkpoint mode is one of {', '.join(CHECKPOINT_MODES)}, not {mode!r}")
+        try:
+            busy = self.db.conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()[0]
+        except sqlite3.OperationalError:
+            return False
+        return not busy

@@ -18,13 +18,13 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
+from stepmill.errors import BadInput, NotFound
+from stepmill.store.encoding import dumps
+from stepmill.store.ids import now_iso
+
 SOURCES = ("rule", "model", "human", "env", "api")
 LABELS = ("good", "bad", "needs-fix")
 KINDS = ("step", "trajectory")
-
-
-class UnknownTarget(KeyError):
-    """No step, trajectory or upstream response has this id."""
 
 
 def resolve_target(conn: sqlite3.Connection, target: str) -> tuple[str, str]:
@@ -36,7 +36,7 @@ def resolve_target(conn: sqlite3.Connection, target: str) -> tuple[str, str]:
     row = conn.execute("SELECT id FROM steps WHERE response_id = ? ORDER BY rowid DESC LIMIT 1", [target]).fetchone()
     if row:
         return "step", row[0]
-    raise UnknownTarget(target)
+    raise NotFound(target)  # no step, trajectory or upstream response has this id
 
 
 def effective_reward(conn: sqlite3.Connection, kind: str, target_id: str) -> float | None:
@@ -53,7 +53,7 @@ def add_reward(conn: sqlite3.Connection, kind: str, target_id: str, value: float
     Returns (the row, whether it is new): a repeated idempotency key returns the first row. A row
     without a value records a reward function that failed (the error in its details)."""
     if source not in SOURCES:
-        raise ValueError(f"source must be one of {', '.join(SOURCES)}, not {source!r}")
+        raise BadInput(f"source must be one of {', '.join(SOURCES)}, not {source!r}")
     if idempotency_key:
         existing = _one(conn, "SELECT * FROM rewards WHERE idempotency_key = ?", [idempotency_key])
         if existing:
@@ -70,11 +70,11 @@ def add_reward(conn: sqlite3.Connection, kind: str, target_id: str, value: float
 def add_review(conn: sqlite3.Connection, kind: str, target_id: str, action: str, value: str | None, *,
                reviewer: str, created_at: str) -> dict:
     if action == "label" and value not in LABELS:
-        raise ValueError(f"a label is one of {', '.join(LABELS)}, not {value!r}")
+        raise BadInput(f"a label is one of {', '.join(LABELS)}, not {value!r}")
     if action == "trainable" and value not in ("true", "false"):
-        raise ValueError("trainable is 'true' or 'false'")
+        raise BadInput("trainable is 'true' or 'false'")
     if action not in ("label", "trainable", "tag", "note"):
-        raise ValueError(f"unknown review action {action!r}")
+        raise BadInput(f"unknown review action {action!r}")
     cursor = conn.execute(
         "INSERT INTO reviews (target_kind, target_id, reviewer, action, value, created_at) VALUES (?, ?, ?, ?, ?, ?)",
         [kind, target_id, reviewer, action, value, created_at])
@@ -119,3 +119,62 @@ def _one(conn: sqlite3.Connection, sql: str, params: list) -> dict | None:
     cursor = conn.execute(sql, params)
     row = cursor.fetchone()
     return None if row is None else dict(zip([d[0] for d in cursor.description], row))
+
+
+class Curation:
+    """Rewards, reviews and the gate as ``Store`` methods, each call one transaction; the functions
+    above (of the same names) do the work on its connection."""
+
+    def add_reward(self, target: str, value: float, *, source: str = "api", name: str | None = None,
+                   note: str | None = None, details: Any = None, idempotency_key: str | None = None) -> dict:
+        """Append a reward to a step, a trajectory, or the step of an upstream response id.
+        NotFound for an unknown id. The row comes back with ``new`` False for a repeated idempotency key."""
+        with self.write() as conn:
+            kind, target_id = resolve_target(conn, target)
+            row, new = add_reward(conn, kind, target_id, float(value), source=source, name=name, note=note,
+                                  details=dumps(details), idempotency_key=idempotency_key, created_at=now_iso())
+        return {**row, "new": new}
+
+    def add_trajectory_rewards(self, results: list[tuple[str, float | None, Any]], *, source: str,
+                               name: str) -> None:
+        """Append (trajectory id, value, details) rewards of one reward function in one transaction; a
+        value of None records that the function failed (the error in its details)."""
+        with self.write() as conn:
+            for trajectory_id, value, details in results:
+                add_reward(conn, "trajectory", trajectory_id, value, source=source, name=name,
+                           details=dumps(details), created_at=now_iso())
+
+    def rewarded_trajectories(self, name: str) -> set[str]:
+        """Ids of the trajectories that have a value from the reward named ``name``."""
+        return {row[0] for row in self.db.conn.execute(
+            "SELECT target_id FROM rewards WHERE target_kind = 'trajectory' AND name = ? AND value IS NOT NULL",
+            [name])}
+
+    def add_review(self, target: str, action: str, value: str | None = None, *, reviewer: str) -> dict:
+        """Append a review action (label, trainable, tag, note) to a step or trajectory. NotFound if unknown."""
+        with self.write() as conn:
+            kind, target_id = resolve_target(conn, target)
+            return add_review(conn, kind, target_id, action, value, reviewer=reviewer, created_at=now_iso())
+
+    def curation(self, target: str) -> dict:
+        """A target's reward history, effective reward, review history and current review state."""
+        conn = self.db.conn
+        kind, target_id = resolve_target(conn, target)
+        return {
+            "target_kind": kind, "target_id": target_id,
+            "reward": effective_reward(conn, kind, target_id),
+            "rewards": self.query("SELECT * FROM rewards WHERE target_kind = ? AND target_id = ? ORDER BY id",
+                                  [kind, target_id]),
+            "review": review_state(conn, kind, target_id),
+            "reviews": self.query("SELECT * FROM reviews WHERE target_kind = ? AND target_id = ? ORDER BY id",
+                                  [kind, target_id]),
+        }
+
+    def gate_counts(self, where: str | None = None, params: Any = ()) -> dict:
+        """How many of the selected steps the curation gate keeps, and why it removes the others."""
+        sql = f"SELECT {GATE_REASON} AS reason, count(*) FROM steps s"
+        if where:
+            sql += f" WHERE {where}"
+        counts = {reason: n for reason, n in self.db.conn.execute(sql + " GROUP BY 1", params)}
+        kept = counts.pop(None, 0)
+        return {"kept": kept, "removed": sum(counts.values()), "removed_by_reason": counts}

@@ -134,15 +134,15 @@ def test_too_deep_to_parse_keeps_its_trajectory(proxy, marker):
 def test_every_fallback_keeps_the_flows_tags(tmp_path, kind):
     """A hook that failed (``failure``) and a call the writer could not read at all (an api it has no
     parser for) are bare error steps, still of the trajectory and group the flow was tagged with."""
-    from stepmill.pipeline.ingest import Ingest, call_header
-    from stepmill.pipeline.recording import Call
+    from stepmill.pipeline.call_record import Call, CallRecord
+    from stepmill.pipeline.ingest import Ingest
     from stepmill.tags import Tags
     from stepmill.store import Store
 
     store = Store(tmp_path / "steps.db")
     call = Call(api="openai.chat" if kind == "failure" else "no.such.api", host="h", path="/v1/chat/completions",
                 tags=Tags("t-fallback", "g-fallback", None))
-    assert Ingest(store).handle({"kind": kind, **call_header(call), "started": time.time(), "error": "boom"},
+    assert Ingest(store).handle(CallRecord(kind=kind, call=call, started=time.time(), error="boom"),
                                 [b"{}", b""]) == "bare"
     [row] = store.query("SELECT trajectory_id, group_id, status FROM steps")
     assert (row["trajectory_id"], row["group_id"], row["status"]) == ("t-fallback", "g-fallback", "error")

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepmill.addon.stream_tap import StreamTap
-from stepmill.pipeline.writer import Handoff
+from stepmill.pipeline.call_record import Call, CallRecord
+from stepmill.pipeline.handoff import Handoff
 from stepmill.children import free_port
 from stepmill.store.encoding import loads
 
@@ -130,11 +131,11 @@ def test_the_tap_keeps_at_most_its_limit_and_passes_everything(sizes, limit, rew
 def test_a_decoded_body_is_cut_at_the_limit_too():
     """A small compressed body may decode to far more than the limit: what is kept stays bounded."""
     plain = json.dumps({"model": "m", "messages": [{"role": "user", "content": "z" * 500_000}]}).encode()
-    header, [request, response] = Handoff.clean(
-        {"kind": "http", "max_body": CAP, "request_encoding": "gzip", "response_encoding": None},
+    record, [request, response] = Handoff.clean(
+        CallRecord(kind="http", call=Call("openai.chat", "h", "/p"), max_body=CAP, request_encoding="gzip"),
         [gzip.compress(plain), b"{}"])
     assert request == plain[:CAP] and response == b"{}"
-    assert header["request_encoding"] is None and "decoded body" in header["truncated"][0]
+    assert record.request_encoding is None and "decoded body" in record.truncated[0]
 
 
 def test_control_port_answers_under_default_options(tmp_path):

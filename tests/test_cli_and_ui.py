@@ -66,6 +66,18 @@ def _json(ui, path):
     return status, json.loads(body)
 
 
+def test_commands_refuse_a_missing_database(tmp_path):
+    """Every command that works on the steps, tokenize and policy-version too, says the database is not
+    there (one message, exit status 1) and leaves no empty database behind."""
+    db = tmp_path / "typo.db"
+    for command in (["stats"], ["export"], ["reward", "some-step", "1"], ["policy-version"],
+                    ["policy-version", "v7"], ["tokenize", "--tokenizer", str(tmp_path)]):
+        done = subprocess.run(STEPMILL + command + ["--db", str(db)], capture_output=True, text=True)
+        assert done.returncode == 1, (command, done.stderr)
+        assert done.stderr.strip() == f"Error: no stepmill database at {db}", (command, done.stderr)
+        assert not db.exists(), command
+
+
 def test_ui_answers_json_query_for_a_step(ui, captured):
     step = captured[1]
     status, data = _json(ui, f"/steps/steps.json?_shape=objects&id={step['step_id']}")

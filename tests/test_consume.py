@@ -4,8 +4,13 @@ restarts that resume, staleness and channels."""
 import threading
 import time
 
+import pytest
+
+from stepmill.errors import Conflict, NotFound
 from stepmill.store import Store
+from stepmill.store.consumption import Claim
 from stepmill.trainer_bridge.consume import Consumer
+from stepmill.trainer_bridge.layouts import Batch
 
 
 def _group(client, group, n, *, channel="train", complete=True, version=None):
@@ -120,6 +125,12 @@ def test_a_remote_trainer_pulls_over_http(proxy, marker):
         assert batches[0].tensors["input_ids"].shape == (2, 6)
         assert batches[0].tensors["rollout_log_probs"].dtype.name == "float32"
         assert trainer.claim() is None
+        with pytest.raises(urllib.error.HTTPError) as twice:
+            trainer.ack(batches[0])  # acknowledged already, when the next batch was asked for
+        assert twice.value.code == 409
+        with pytest.raises(urllib.error.HTTPError) as unknown:
+            trainer.ack(Batch({}, {"group_id": f"{marker}-never-claimed"}))
+        assert unknown.value.code == 404
         try:
             import torch
         except ImportError:
@@ -134,3 +145,37 @@ def test_a_remote_trainer_pulls_over_http(proxy, marker):
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_the_stores_claims_leases_and_acks(tmp_path):
+    """The contract of ``Store.claim_group``/``ack_group`` on the store alone, on a clock of its own."""
+    store = Store(str(tmp_path / "consume.db"))
+
+    def group(group_id, size, version):
+        store.set_policy_version(version)
+        for _ in range(size):
+            store.complete_trajectory(store.start_trajectory(group_id=group_id, channel="train")["id"])
+
+    group("old", 2, 2)
+    store.set_policy_version(10)
+    assert store.claim_group("a", n=2, max_staleness=3, now=100.0) == Claim(None, stale=1)
+    group("g", 2, 10)
+    assert store.claim_group("a", n=3, now=100.0) == Claim(None)  # fewer than n complete
+    assert store.claim_group("a", n=2, lease_seconds=10, now=100.0) == Claim("g")
+    assert store.claim_group("b", n=2, now=105.0) == Claim(None)  # leased to a; "old" set aside for good
+    assert store.claim_group("a", n=2, lease_seconds=10, now=105.0) == Claim("g")  # a restarted: its own again
+    with pytest.raises(NotFound):
+        store.ack_group("a", "never-claimed", rows=0)
+    with pytest.raises(Conflict):
+        store.ack_group("b", "g", rows=2)  # not b's
+    assert store.claim_group("b", n=2, now=200.0) == Claim("g")  # a's lease ran out at 115
+    with pytest.raises(Conflict, match=r"^group 'g' is not leased to 'a' \(its lease ran out\?\)$"):
+        store.ack_group("a", "g", rows=2)
+    store.ack_group("b", "g", rows=2)
+    with pytest.raises(Conflict):
+        store.ack_group("b", "g", rows=2)  # an ack takes effect once
+    assert store.claim_group("c", n=2, now=10_000.0) == Claim(None)
+    rows = {r["group_id"]: (r["consumer"], r["status"], r["rows"])
+            for r in store.query("SELECT group_id, consumer, status, rows FROM consumption")}
+    assert rows == {"g": ("b", "acked", 2), "old": ("a", "stale", None)}
+    store.close()

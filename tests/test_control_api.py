@@ -190,3 +190,56 @@ def test_ids_with_odd_characters_round_trip(proxy, marker):
         assert client.complete_trajectory(odd, reward=0.5)["reward"] == 0.5
     status, payload = _raw(proxy, "GET", "/v1/trajectories/%ED%A0%80")
     assert status == 400 and "UTF-8" in payload["error"]
+
+
+def _in_process(tmp_path):
+    """The control API without a proxy: calls answered by ``handle`` directly."""
+    from stepmill.api.control import ControlAPI
+    from stepmill.store.db import Store
+
+    return ControlAPI(Store(tmp_path / "control.db"), token="t0ken")
+
+
+def test_a_keyerror_from_a_bug_is_a_500_not_a_404(tmp_path, monkeypatch):
+    api = _in_process(tmp_path)
+    auth = "Bearer t0ken"
+    status, created = api.handle("POST", "/v1/trajectories", b'{"trajectory_id": "bug"}', authorization=auth)
+    assert status == 201
+
+    def broken(*args, **kwargs):
+        return {}["missing column"]  # a bug's KeyError, not a missing trajectory
+
+    monkeypatch.setattr(api.store, "trajectory", broken)
+    status, payload = api.handle("GET", "/v1/trajectories/bug", b"", authorization=auth)
+    assert status == 500 and "KeyError" in payload["error"], payload
+    monkeypatch.setattr(api.store, "step", broken)
+    status, payload = api.handle("GET", "/v1/steps/anything", b"", authorization=auth)
+    assert status == 500 and "KeyError" in payload["error"], payload
+    monkeypatch.undo()
+    status, payload = api.handle("GET", "/v1/steps/nope", b"", authorization=auth)  # really missing
+    assert (status, payload) == (404, {"error": "not found: nope"})
+    status, payload = api.handle("GET", "/v1/trajectories/nope", b"", authorization=auth)
+    assert (status, payload) == (404, {"error": "no trajectory 'nope'"})
+
+
+def test_a_duplicate_trajectory_is_a_conflict(tmp_path):
+    from stepmill.errors import Conflict
+
+    api = _in_process(tmp_path)
+    body = b'{"trajectory_id": "twice"}'
+    assert api.handle("POST", "/v1/trajectories", body, authorization="Bearer t0ken")[0] == 201
+    with pytest.raises(Conflict):
+        api.store.start_trajectory(trajectory_id="twice")
+    status, payload = api.handle("POST", "/v1/trajectories", body, authorization="Bearer t0ken")
+    assert (status, payload) == (409, {"error": "trajectory 'twice' already exists"})
+
+
+def test_the_barrier_waits_on_the_route_tables_paths(tmp_path):
+    api = _in_process(tmp_path)
+    auth = "Bearer t0ken"
+    assert api.barrier_target("POST", "/v1/barrier/", auth) is None
+    assert api.barrier_target("POST", "/v1/trajectories/a%2Fb/complete?x=1", auth) == "a/b"
+    assert api.barrier_target("POST", "/v1/trajectories/%ED%A0%80/complete", auth) is False
+    assert api.barrier_target("POST", "/v1/trajectories/a/complete", "Bearer wrong") is False
+    assert api.barrier_target("GET", "/v1/barrier", auth) is False
+    assert api.barrier_target("POST", "/v1/steps", auth) is False

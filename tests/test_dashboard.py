@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from stepmill.store import Store
-from stepmill.ui.dashboard import LIVE
+from stepmill.store.views import LIVE
 from stepmill.ui.datasette_plugin import stepmill_path
 
 from .browser import CHROMIUM, UI, Browser

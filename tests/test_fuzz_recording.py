@@ -17,8 +17,9 @@ from stepmill.pipeline import recording
 from stepmill.protocols import anthropic_messages
 from stepmill.protocols import openai_chat
 from stepmill.protocols import openai_responses
-from stepmill.pipeline.recording import Call
-from stepmill.addon.stream_tap import StreamTap, assemble
+from stepmill.pipeline.call_record import Call
+from stepmill.addon.stream_tap import StreamTap
+from stepmill.protocols.streams import assemble
 from stepmill.store import Store
 
 CHAT_REQUEST = {"model": "qwen", "temperature": 0.2, "tools": [{"type": "function", "function": {

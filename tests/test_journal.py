@@ -8,11 +8,12 @@ import time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stepmill.pipeline.ingest import Ingest, call_header
-from stepmill.pipeline.recording import Call
-from stepmill.pipeline.writer import Handoff, Writer
+from stepmill.pipeline.call_record import Call, CallRecord
+from stepmill.pipeline.handoff import Handoff
+from stepmill.pipeline.ingest import Ingest
+from stepmill.pipeline.writer import Writer
 from stepmill.store import Store
-from stepmill.pipeline.journal import Journal, Position, decode_entry, encode_entry, state_key
+from stepmill.pipeline.journal import Journal, Position, state_key
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 REPLY = {"id": "chatcmpl-1", "model": "m", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
@@ -20,10 +21,10 @@ REPLY = {"id": "chatcmpl-1", "model": "m", "choices": [{"index": 0, "message": {
 
 
 def entry(text: str) -> bytes:
-    header = {"kind": "http", **call_header(Call(api="openai.chat", host="h", path="/v1/chat/completions")),
-              "started": time.time(), "ended": time.time(), "http_status": 200}
+    record = CallRecord(kind="http", call=Call(api="openai.chat", host="h", path="/v1/chat/completions"),
+                        started=time.time(), ended=time.time(), http_status=200)
     request = {**CHAT, "messages": [{"role": "user", "content": text}]}
-    return encode_entry(header, [json.dumps(request).encode(), json.dumps(REPLY).encode()])
+    return b"".join(record.entry_parts([json.dumps(request).encode(), json.dumps(REPLY).encode()]))
 
 
 def test_entries_round_trip_and_torn_tails_are_ignored(tmp_path):
@@ -32,8 +33,8 @@ def test_entries_round_trip_and_torn_tails_are_ignored(tmp_path):
     journal.append(entry("two")[:-7])  # a process killed mid-write leaves part of an entry
     read = list(journal.read(Position(1, 0)))
     assert [p for p, _ in read] == [first]
-    header, blobs = decode_entry(read[0][1])
-    assert header["api"] == "openai.chat" and json.loads(blobs[0])["messages"][0]["content"] == "one"
+    record, blobs = CallRecord.from_entry(read[0][1])
+    assert record.call.api == "openai.chat" and json.loads(blobs[0])["messages"][0]["content"] == "one"
 
 
 def test_the_next_writer_replays_an_orphaned_journal(tmp_path):
@@ -68,10 +69,10 @@ def test_a_full_disk_keeps_calls_in_memory_until_the_journal_takes_them(tmp_path
     journal.folder.mkdir()
     woken = []
     handoff = Handoff(journal, lambda: woken.append(1), memory_limit=10_000)
-    header = {"kind": "http", **call_header(Call(api="openai.chat", host="h", path="/p")), "started": 0}
-    handoff.submit(header, [b"x" * 4000])
-    handoff.submit(header, [b"y" * 4000])
-    handoff.submit(header, [b"z" * 4000])  # past the memory bound: counted, not kept
+    record = CallRecord(kind="http", call=Call(api="openai.chat", host="h", path="/p"), started=0)
+    handoff.submit(record, [b"x" * 4000])
+    handoff.submit(record, [b"y" * 4000])
+    handoff.submit(record, [b"z" * 4000])  # past the memory bound: counted, not kept
     time.sleep(0.3)
     status = handoff.status()
     assert status["in_memory"] == 2 and status["dropped"] == 1 and "No space" in status["journal_error"]
@@ -98,10 +99,10 @@ FRAME = st.one_of(
        frames=st.lists(FRAME, max_size=8), cut=st.one_of(st.none(), st.text(max_size=20)))
 def test_websocket_turns_of_any_shape_become_steps(tmp_path_factory, request, frames, cut):
     store = Store(tmp_path_factory.mktemp("ws") / "ws.db")
-    header = {"kind": "websocket", **call_header(Call(api="openai.responses", host="h", path="/v1/responses")),
-              "started": 1.0, "ended": 2.0, "cut": cut, "frames": [[1.5, i + 1] for i in range(len(frames))]}
+    record = CallRecord(kind="websocket", call=Call(api="openai.responses", host="h", path="/v1/responses"),
+                        started=1.0, ended=2.0, cut=cut, frames=[(1.5, i + 1) for i in range(len(frames))])
     blobs = [request.encode("utf-8", "surrogatepass")] + [f.encode("utf-8", "surrogatepass") for f in frames]
-    result = Ingest(store).handle(header, blobs)
+    result = Ingest(store).handle(record, blobs)
     assert result in ("full", "parsed", "bare", "warmup")
     if result != "warmup":
         assert store.query("SELECT count(*) AS n FROM steps")[0]["n"] == 1

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from stepmill.children import free_port
-from stepmill.cli import take_own_options
+from stepmill.cli.proxy_args import take_own_options
 
 from .conftest import STEPMILL, answers, http_json, wait_until
 

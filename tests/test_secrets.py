@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from websockets.sync.client import connect as ws_connect
 
 from stepmill.pipeline.redaction import redact_text
-from stepmill.pipeline.writer import Handoff
+from stepmill.pipeline.call_record import Call, CallRecord
+from stepmill.pipeline.handoff import Handoff
 
 from .conftest import start_proxy, stop_proxy, wait_until
 
@@ -176,23 +177,23 @@ def test_the_handoff_redacts_bodies_decoded(encoding, kind, cuts):
     compress = _encoders()[encoding]
     encoded = compress(response)
     marks = [(end, float(i)) for i, end in enumerate(sorted({min(c, len(encoded)) for c in cuts} | {len(encoded)}))]
-    header = {"kind": kind, "request_encoding": sent_as, "response_encoding": sent_as, "marks": marks,
-              "max_body": 1 << 20, "headers": {"referer": "https://me:pw@x.example/"}}
-    cleaned, blobs = Handoff.clean(header, [compress(request), encoded])
-    assert header["request_encoding"] == sent_as, "the call's own header is left as it came (retries)"
+    record = CallRecord(kind=kind, call=Call("openai.chat", "h", "/p", headers={"referer": "https://me:pw@x.example/"}),
+                        request_encoding=sent_as, response_encoding=sent_as, marks=marks, max_body=1 << 20)
+    cleaned, blobs = Handoff.clean(record, [compress(request), encoded])
+    assert record.request_encoding == sent_as, "the call's own record is left as it came (retries)"
     assert all(key.encode() not in blob for blob in blobs)
     assert blobs[0] == request.replace(key.encode(), b"[redacted]")
     assert blobs[1] == response.replace(key.encode(), b"[redacted]")
-    assert cleaned["request_encoding"] is None and cleaned["response_encoding"] is None
-    assert cleaned["headers"]["referer"] == "https://[redacted]@x.example/"
+    assert cleaned.request_encoding is None and cleaned.response_encoding is None
+    assert cleaned.call.headers["referer"] == "https://[redacted]@x.example/"
     if kind == "sse":
-        assert cleaned["marks"][-1][0] == len(response) and [at for _, at in cleaned["marks"]] == \
+        assert cleaned.marks[-1][0] == len(response) and [at for _, at in cleaned.marks] == \
             [at for _, at in marks]
 
 
 def test_an_undecodable_body_is_not_kept():
     """Bytes that cannot be decoded cannot be redacted: the step says why, and they are not written."""
-    cleaned, blobs = Handoff.clean({"kind": "http", "request_encoding": "gzip", "response_encoding": "x-unknown"},
-                                   [b"not gzip at all", b"secret stuff"])
+    cleaned, blobs = Handoff.clean(CallRecord(kind="http", call=Call("openai.chat", "h", "/p"), request_encoding="gzip",
+                                              response_encoding="x-unknown"), [b"not gzip at all", b"secret stuff"])
     assert blobs == [b"", b""]
-    assert "could not be decoded" in cleaned["request_problem"] and "x-unknown" in cleaned["response_problem"]
+    assert "could not be decoded" in cleaned.request_problem and "x-unknown" in cleaned.response_problem

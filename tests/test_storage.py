@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from stepmill.store import Store, StepRecord
-from stepmill.store.db import StoreError
+from stepmill.errors import BadInput, StoreUnavailable
 
 
 def _checkpointed_size(path) -> int:
@@ -77,9 +77,7 @@ def test_branching_conversation_rebuilds_each_branch(tmp_path):
 
 
 def test_record_rejects_unknown_status(tmp_path):
-    from stepmill.store.db import StoreError
-
-    with pytest.raises(StoreError):
+    with pytest.raises(BadInput):
         Store(tmp_path / "s.db").record_step(StepRecord(api="openai.chat", status="weird"))
 
 
@@ -139,7 +137,7 @@ def test_readers_never_wait_for_the_write_lock(tmp_path):
         assert time.time() - started < 20, "readers waited for the lock"
         reader = Store(db, readonly=True)
         assert reader.stats()["steps"] == 1
-        with pytest.raises(StoreError):
+        with pytest.raises(StoreUnavailable):
             reader.set_policy_version("v2")
     finally:
         writer.execute("ROLLBACK")
@@ -148,24 +146,20 @@ def test_readers_never_wait_for_the_write_lock(tmp_path):
 def test_a_read_only_open_of_a_missing_or_foreign_file_is_a_clear_error(tmp_path):
     import sqlite3
 
-    from stepmill.store.db import StoreError
-
-    with pytest.raises(StoreError, match="no stepmill database"):
+    with pytest.raises(StoreUnavailable, match="no stepmill database"):
         Store(tmp_path / "nothing.db", readonly=True)
     sqlite3.connect(tmp_path / "other.db").execute("CREATE TABLE x (y)")
-    with pytest.raises(StoreError, match="not a stepmill database"):
+    with pytest.raises(StoreUnavailable, match="not a stepmill database"):
         Store(tmp_path / "other.db", readonly=True)
 
 
 def test_choices_of_one_call_are_recorded_all_or_none(tmp_path):
-    from stepmill.store.db import StoreError
-
     store = Store(tmp_path / "n.db")
     user = [{"role": "user", "content": "q"}]
     good = StepRecord(api="openai.chat", messages=user, completion={"role": "assistant", "content": "a"})
     bad = StepRecord(api="openai.chat", messages=user, completion={"role": "assistant", "content": "b"},
                      parent_step_id="s-missing")
-    with pytest.raises(StoreError):
+    with pytest.raises(BadInput):
         store.record_steps([good, bad])
     assert store.query("SELECT count(*) AS n FROM steps")[0]["n"] == 0
     assert len(store.record_steps([good, good])) == 2

@@ -19,7 +19,8 @@ from stepmill.protocols import anthropic_messages
 from stepmill.protocols import openai_chat
 from stepmill.protocols import openai_responses
 from stepmill.protocols.sse import SSEDecoder
-from stepmill.addon.stream_tap import StreamTap, assemble
+from stepmill.addon.stream_tap import StreamTap
+from stepmill.protocols.streams import assemble
 
 try:
     from compression.zstd import compress as zstd_compress

@@ -40,7 +40,8 @@ def test_tag_path_and_credentials():
 
 def test_stored_headers_are_an_allowlist():
     from stepmill.pipeline.redaction import allowed_headers
-    from stepmill.pipeline.writer import redact_header
+    from stepmill.pipeline.call_record import Call, CallRecord
+    from stepmill.pipeline.handoff import redact_record
 
     kept = allowed_headers({"Authorization": "Bearer x", "x-api-key": "k", "Cookie": "c", "Content-Length": "12",
                            "User-Agent": "claude-cli/1.0", "anthropic-beta": "tools",
@@ -48,8 +49,9 @@ def test_stored_headers_are_an_allowlist():
                            "ocp-apim-subscription-key": "s1", "helicone-auth": "Bearer sk-helicone-123456",
                            "x-made-up-secret-carrier": "s2"})
     assert kept == {"user-agent": "claude-cli/1.0", "anthropic-beta": "tools"}
-    header = redact_header({"headers": {"x-title": "app sk-proj-abcdef123456"}, "error": "bad key sk-ant-abcdefgh99"})
-    assert header == {"headers": {"x-title": "app [redacted]"}, "error": "bad key [redacted]"}
+    record = redact_record(CallRecord(kind="http", call=Call("a", "h", "/p", headers={"x-title": "app sk-proj-abcdef123456"}),
+                                      error="bad key sk-ant-abcdefgh99"))
+    assert (record.call.headers, record.error) == ({"x-title": "app [redacted]"}, "bad key [redacted]")
 
 
 def test_engine_routing():

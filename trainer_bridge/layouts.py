@@ -53,18 +53,19 @@ class Batch:
         return DataProto.from_dict(tensors=self.to_torch(), non_tensors=rows, meta_info={"report": dict(self.report)})
 
 
-def _steps(store: Store, where: str | None, params: Any) -> Iterator[dict]:
-    yield from store.iter_steps(where, params, with_tokens=True, gate=True)
+def _steps(store: Store, where: str | None, params: Any, group_id: str | None = None) -> Iterator[dict]:
+    yield from store.iter_steps(where, params, with_tokens=True, gate=True, group_id=group_id)
 
 
-def step_batches(store: Store, *, where: str | None = None, params: Any = (), batch_size: int = 64,
+def step_batches(store: Store, *, where: str | None = None, params: Any = (), group_id: str | None = None,
+                 batch_size: int = 64,
                  max_prompt_length: int = 4096, max_response_length: int = 2048, overlong: str = "drop",
                  pad_id: int = 0) -> Iterator[Batch]:
     """Gated steps with token ids, ``batch_size`` rows at a time."""
     if overlong not in OVERLONG:
         raise ValueError(f"overlong must be one of {OVERLONG}")
     rows, report = [], Counter()
-    for step in _steps(store, where, params):
+    for step in _steps(store, where, params, group_id):
         if step["prompt_ids"] is None or step["response_ids"] is None:
             report["left out: no token ids (run stepmill tokenize)"] += 1
             continue
@@ -132,11 +133,12 @@ class Row:
     reward: float | None = None
 
 
-def trajectory_rows(store: Store, *, where: str | None = None, params: Any = ()) -> tuple[list[Row], Counter]:
+def trajectory_rows(store: Store, *, where: str | None = None, params: Any = (),
+                    group_id: str | None = None) -> tuple[list[Row], Counter]:
     """One row per token-exact chain of steps; a step that does not continue its parent starts a new row."""
     report: Counter = Counter()
     by_trajectory: dict[str, list] = {}
-    for step in _steps(store, where, params):
+    for step in _steps(store, where, params, group_id):
         if step["prompt_ids"] is None or step["response_ids"] is None:
             report["left out: no token ids (run stepmill tokenize)"] += 1
             continue
@@ -199,13 +201,13 @@ def tree_batch(store: Store, group_id: str, *, rows: bool = False) -> tuple[Pack
     """A group packed as one tree: every step (prompt + response, loss on the response), or with
     ``rows`` every trajectory row (loss on sampled tokens)."""
     if rows:
-        trajectory, report = trajectory_rows(store, where="s.group_id = ?", params=[group_id])
+        trajectory, report = trajectory_rows(store, group_id=group_id)
         sequences = [r.ids for r in trajectory]
         masks = [r.loss.astype(bool) for r in trajectory]
         meta = {"trajectory_id": [r.trajectory_id for r in trajectory], "step_ids": [r.step_ids for r in trajectory]}
     else:
         report, sequences, masks, meta = Counter(), [], [], {"step_id": []}
-        for step in _steps(store, "s.group_id = ?", [group_id]):
+        for step in _steps(store, None, (), group_id):
             if step["prompt_ids"] is None or step["response_ids"] is None:
                 report["left out: no token ids (run stepmill tokenize)"] += 1
                 continue

@@ -11,7 +11,6 @@ On the trainer's side, ``RemoteConsumer`` (below) is the same iterator as ``Cons
 
 from __future__ import annotations
 
-import hmac
 import json
 import struct
 import threading
@@ -20,7 +19,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
-from stepmill.store.db import Store
+from stepmill.auth.token import bearer_matches
+from stepmill.errors import Conflict, NotFound
+from stepmill.protocols.http_json import send_body, send_json
+from stepmill.store import Store
 
 from stepmill.trainer_bridge.consume import Consumer, acknowledging
 from stepmill.trainer_bridge.layouts import Batch
@@ -55,15 +57,10 @@ def make_server(db_path: str, host: str, port: int, token: str) -> ThreadingHTTP
                 local.store = Store(db_path)
             return local.store
 
-        def _answer(self, status: int, body: bytes = b"", content_type: str = "application/json"):
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+        _answer = send_body
 
         def _error(self, status: int, message: str):
-            self._answer(status, json.dumps({"error": message}).encode())
+            send_json(self, status, {"error": message})
 
         def do_GET(self):
             if self.path.rstrip("/") == "/v1/health":
@@ -71,8 +68,7 @@ def make_server(db_path: str, host: str, port: int, token: str) -> ThreadingHTTP
             return self._error(404, f"no endpoint {self.path}")
 
         def do_POST(self):
-            scheme, _, value = (self.headers.get("Authorization") or "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+            if not bearer_matches(self.headers.get("Authorization"), token):
                 return self._error(401, "needs the write token: Authorization: Bearer <token>")
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
@@ -95,8 +91,8 @@ def make_server(db_path: str, host: str, port: int, token: str) -> ThreadingHTTP
             if path == "/v1/ack":
                 try:
                     Consumer(self._store(), body["consumer"]).ack(Batch({}, {"group_id": body.get("group_id")}))
-                except KeyError as exc:
-                    return self._error(409, str(exc.args[0]))
+                except (Conflict, NotFound) as exc:  # held by another or acknowledged already; never claimed
+                    return self._error(exc.status, str(exc))
                 return self._answer(200, b'{"ok": true}')
             return self._error(404, f"no endpoint {self.path}")
 

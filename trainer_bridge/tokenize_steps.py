@@ -20,9 +20,6 @@ class TokenizeReport:
     failed: int = 0
 
 
-DEFAULT_WHERE = "s.token_provenance = 'none' AND s.completion IS NOT NULL"
-
-
 def tokenize_steps(store: Store, tokenizer_path: str, *, where: str | None = None, params=(), splice: bool = False,
                    redo: bool = False, batch_size: int = 64, progress: bool | None = None) -> TokenizeReport:
     """Render the selected steps (parents before children) and store their ids.
@@ -30,13 +27,7 @@ def tokenize_steps(store: Store, tokenizer_path: str, *, where: str | None = Non
     ``splice``: where the parent has exact ids, keep them and render only the new suffix.
     """
     renderer = Renderer(load_tokenizer(tokenizer_path), name=tokenizer_path)
-    condition = where or (("s.token_provenance IN ('none', 'rendered', 'spliced') AND s.completion IS NOT NULL")
-                          if redo else DEFAULT_WHERE)
-    ids = [row["id"] for row in store.query(
-        # The user's condition is parenthesised: an OR in it can never reach engine-sampled (exact) ids.
-        f"SELECT s.id FROM steps s WHERE ({condition}) AND s.token_provenance != 'exact'"
-        " ORDER BY s.started_at, s.rowid",
-        params)]
+    ids = store.steps_to_tokenize(where, params, redo=redo)  # never steps with engine-sampled (exact) ids
     report = TokenizeReport()
     bar = tqdm(total=len(ids), unit="step", desc="tokenize", disable=(not progress) if progress is not None else None)
     for start in range(0, len(ids), batch_size):
@@ -86,9 +77,8 @@ def _render_one(store: Store, renderer: Renderer, step_id: str, splice: bool):
     messages = record["messages"]
     parent = record["parent_step_id"]
     if splice and parent:
-        row = store.query("SELECT token_provenance, messages_base_len FROM steps WHERE id = ?", [step_id])[0]
-        parent_row = store.query("SELECT token_provenance, message_count FROM steps WHERE id = ?", [parent])[0]
-        shared = row["messages_base_len"] or 0
+        parent_row = store.token_layout(parent)
+        shared = store.token_layout(step_id)["messages_base_len"] or 0
         if parent_row["token_provenance"] in ("exact", "spliced") and shared == parent_row["message_count"] + 1:
             prompt, response, _ = store.token_sequences(parent)
             return renderer.splice(messages, completion, tools, list(prompt) + list(response), shared), "spliced"

@@ -242,11 +242,7 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
 
         store = Store(str(db))
         say("represent", f"steps in {db}")
-        rows = store.query("""SELECT json_extract(t.metadata, '$.agent') AS agent, count(DISTINCT t.id) AS runs,
-                                     count(s.id) AS steps, sum(s.token_provenance = 'exact') AS exact,
-                                     sum(s.consistency IN ('root', 'consistent')) AS consistent,
-                                     sum(s.input_tokens) AS input_tokens, sum(s.output_tokens) AS output_tokens
-                              FROM trajectories t JOIN steps s ON s.trajectory_id = t.id GROUP BY 1 ORDER BY 1""")
+        rows = store.steps_by_agent()
         for row in rows:
             info(f"{row['agent']}: {row['runs']} trajectories, {row['steps']} steps, {row['exact']} with exact "
                  f"engine ids, {row['consistent']} token-consistent with their parent, {row['output_tokens']} "
@@ -254,23 +250,20 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
         summary["steps"] = {row["agent"]: row["steps"] for row in rows}
 
         say("curate", "rewards, then a review pass, then the gate")
-        rewards = store.query("""SELECT json_extract(metadata, '$.agent') AS agent, count(*) AS n,
-                                        avg(reward) AS mean, sum(reward = 1) AS right FROM trajectories
-                                 WHERE reward IS NOT NULL GROUP BY 1 ORDER BY 1""")
+        rewards = store.rewards_by_agent()
         for row in rewards:
             info(f"{row['agent']}: math reward {row['mean']:.2f} on average ({row['right']}/{row['n']} right)")
-        groups = store.query("""SELECT group_id, count(*) AS n, min(reward) AS lo, max(reward) AS hi
-                                FROM trajectories WHERE group_id IS NOT NULL GROUP BY group_id""")
+        groups = store.group_reward_ranges()
         mixed = [g for g in groups if g["lo"] != g["hi"]]
         info(f"{len(mixed)} of {len(groups)} groups hold both right and wrong rollouts (a GRPO signal)")
-        failed = store.query("SELECT id FROM trajectories WHERE json_extract(metadata, '$.outcome') != 'ok'")
-        for row in failed:  # a run that crashed or timed out is no training data
-            store.add_review(row["id"], "label", "bad", reviewer="stepmill-demo")
+        failed = store.unsuccessful_runs()
+        for trajectory_id in failed:  # a run that crashed or timed out is no training data
+            store.add_review(trajectory_id, "label", "bad", reviewer="stepmill-demo")
         for group in groups:
             if group["lo"] == group["hi"]:  # every rollout alike: no group-relative advantage (DAPO's filter)
-                for row in store.query("SELECT id FROM trajectories WHERE group_id = ?", [group["group_id"]]):
-                    store.add_review(row["id"], "trainable", "false", reviewer="stepmill-demo")
-                    store.add_review(row["id"], "tag", "no-group-signal", reviewer="stepmill-demo")
+                for trajectory_id in store.trajectories_in_group(group["group_id"]):
+                    store.add_review(trajectory_id, "trainable", "false", reviewer="stepmill-demo")
+                    store.add_review(trajectory_id, "tag", "no-group-signal", reviewer="stepmill-demo")
         gate = store.gate_counts()
         info(f"review pass (reviewer stepmill-demo): {len(failed)} failed runs labelled bad; the "
              f"{len(groups) - len(mixed)} groups without signal marked untrainable")

@@ -1,4 +1,4 @@
-"""Writer side: rendered ids for a Messages call a vLLM engine answered without ids.
+"""Off the event loop, in the writer (before its transaction): rendered ids for a Messages call a vLLM engine answered without ids.
 
 When stepmill does not serve an agent's Messages call through the engine's chat completions
 (``stepmill_messages_via_chat`` off, or a request chat cannot carry), the engine's ``/v1/messages``

@@ -1,48 +1,27 @@
-"""Off the event loop: a finished exchange, as the proxy kept it, becomes step records.
+"""Off the event loop, in the writer (a thread or its own process): a finished exchange, as the
+proxy kept it, becomes step records.
 
-The proxy hands over bytes and a few facts (who, when, which tags); everything else happens
-here, in the writer: decoding bodies, parsing each protocol, reassembling streams and
+The proxy hands over bytes and a few facts (a ``CallRecord``: who, when, which tags); everything
+else happens here: decoding bodies, parsing each protocol, reassembling streams and
 WebSocket turns, resolving Responses chains, and the write with its fallbacks.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from collections import OrderedDict
 from collections.abc import Callable
 
 from stepmill.store.db import Store
-
-from stepmill.pipeline import engine_render
-
-from stepmill.pipeline import recording
-
-from stepmill import tags as tagging
 from stepmill.protocols import ROUTES, Completion, ParsedRequest, ProtocolError
 from stepmill.protocols import openai_responses
 from stepmill.protocols.base import load_json_object
-from stepmill.pipeline.recording import Call
-from stepmill.addon.stream_tap import assemble, decode_kept
+from stepmill.protocols.streams import assemble, decode_kept
+from stepmill.pipeline import engine_render
+from stepmill.pipeline import recording
+from stepmill.pipeline.call_record import Call, CallRecord
 
 MODULES = {api: module for _, api, module in ROUTES}
-# A Responses WebSocket frame that ends a turn: found on the loop without parsing the frame.
-TERMINAL_FRAME = re.compile(rb'"type"\s*:\s*"(?:response\.(?:completed|failed|incomplete)|error)"')
-CREATE_FRAME = re.compile(rb'^\s*\{.{0,200}?"type"\s*:\s*"response\.create"', re.S)
-
-
-def call_header(call: Call) -> dict:
-    return {"api": call.api, "host": call.host, "path": call.path,
-            "tags": [call.tags.trajectory_id, call.tags.group_id, call.tags.channel],
-            "session_id": call.session_id, "headers": call.headers, "client_conn": call.client_conn,
-            "default_channel": call.default_channel}
-
-
-def call_from(header: dict) -> Call:
-    tags = header.get("tags") or [None, None, None]
-    return Call(api=header["api"], host=header.get("host") or "", path=header.get("path") or "",
-                tags=tagging.Tags(*tags), session_id=header.get("session_id"), headers=header.get("headers"),
-                client_conn=header.get("client_conn"), default_channel=header.get("default_channel"))
 
 
 def decoded(raw: bytes, content_encoding: str | None) -> tuple[bytes, str | None]:
@@ -57,81 +36,80 @@ class Ingest:
         # Responses that primed a WebSocket (generate: false) are no steps, but later turns chain to them.
         self.warmups: OrderedDict[str, tuple[list, list]] = OrderedDict()
 
-    def handle(self, header: dict, blobs: list[bytes]) -> str:
+    def handle(self, record: CallRecord, blobs: list[bytes]) -> str:
         """Record one finished exchange. Never raises but for the store's environment (locked, full)."""
-        return self.prepare(header, blobs)()
+        return self.prepare(record, blobs)()
 
-    def prepare(self, header: dict, blobs: list[bytes]) -> Callable[[], str]:
+    def prepare(self, record: CallRecord, blobs: list[bytes]) -> Callable[[], str]:
         """The CPU-heavy half (decoding, parsing, reassembling), done outside any transaction; returns
         the other half, the write (linking, chains, SQLite), for the writer's transaction."""
-        kind = header.get("kind")
-        call = call_from(header)
+        call = record.call
         try:
-            if kind == "websocket":
-                write = self._turn(call, header, blobs)
-            elif kind == "failure":
-                problems = [header.get("error") or "stepmill failed", *(header.get("truncated") or []),
-                            header.get("request_problem"), header.get("response_problem")]
+            if record.kind == "websocket":
+                write = self._turn(call, record, blobs)
+            elif record.kind == "failure":
+                problems = [record.error or "stepmill failed", *record.truncated,
+                            record.request_problem, record.response_problem]
                 write = functools.partial(
                     recording.save_bare, self.store, call.api, "; ".join(p for p in problems if p),
-                    started=header.get("started") or 0, transport="http", raw_request=blobs[0],
+                    started=record.started, transport="http", raw_request=blobs[0],
                     raw_response=blobs[1] if len(blobs) > 1 else None, call=call)
             else:
-                write = self._http(call, header, blobs)
+                write = self._http(call, record, blobs)
         except Exception as exc:
-            return functools.partial(self._unreadable, call, header, blobs, exc)
-        return functools.partial(self._write, write, call, header, blobs)
+            return functools.partial(self._unreadable, record, blobs, exc)
+        return functools.partial(self._write, write, record, blobs)
 
-    def _write(self, write: Callable[[], str], call: Call, header: dict, blobs: list[bytes]) -> str:
+    def _write(self, write: Callable[[], str], record: CallRecord, blobs: list[bytes]) -> str:
         try:
             return write()
         except recording.EnvironmentFailure:
             raise
         except Exception as exc:
-            return self._unreadable(call, header, blobs, exc)
+            return self._unreadable(record, blobs, exc)
 
-    def _unreadable(self, call: Call, header: dict, blobs: list[bytes], exc: Exception) -> str:
-        return recording.save_bare(self.store, call.api, f"stepmill could not read this call: "
-                                   f"{type(exc).__name__}: {exc}", started=header.get("started") or 0,
-                                   transport=header.get("kind") or "http", raw_request=blobs[0] if blobs else None,
-                                   raw_response=blobs[1] if len(blobs) > 1 else None, call=call)
+    def _unreadable(self, record: CallRecord, blobs: list[bytes], exc: Exception) -> str:
+        return recording.save_bare(self.store, record.call.api, f"stepmill could not read this call: "
+                                   f"{type(exc).__name__}: {exc}", started=record.started,
+                                   transport=record.kind or "http", raw_request=blobs[0] if blobs else None,
+                                   raw_response=blobs[1] if len(blobs) > 1 else None, call=record.call)
 
     # -- HTTP and SSE -----------------------------------------------------------------------
-    def _http(self, call: Call, header: dict, blobs: list[bytes]) -> Callable[[], str]:
+    def _http(self, call: Call, record: CallRecord, blobs: list[bytes]) -> Callable[[], str]:
         module = MODULES[call.api]
         raw_request, raw_response = blobs[0], blobs[1] if len(blobs) > 1 else b""
-        request_body, problem = decoded(raw_request, header.get("request_encoding"))
-        problem = header.get("request_problem") or problem  # the handoff could not decode it
+        request_body, problem = decoded(raw_request, record.request_encoding)
+        problem = record.request_problem or problem  # the handoff could not decode it
         request, parse_error = None, problem
-        if header.get("websocket_upgrade"):
+        if record.websocket_upgrade:
             parse_error = None  # a refused upgrade: the GET has no body to parse
         elif not problem:
             request, _, parse_error = recording.parse_request(module, call.api, request_body)
-        notes = list(header.get("notes") or [])
-        error = header.get("error")
+        notes = list(record.notes)
+        error = record.error
         ttft = None
-        if header.get("kind") == "sse":
-            result = assemble(module.StreamAssembler(call.api), raw_response, header.get("marks") or [],
-                              header.get("response_encoding"))
+        if record.kind == "sse":
+            result = assemble(module.StreamAssembler(call.api), raw_response, record.marks or [],
+                              record.response_encoding)
             completion = result.completion
             if error and not result.terminal:
                 # Clients close (or reset an HTTP/2 stream) right after the last event: only a stream
                 # cut before its terminal event is incomplete.
                 completion.status = "incomplete"
                 completion.error = f"{error} (stream cut after {len(raw_response)} bytes)"
-            if header.get("response_problem"):
+            if record.response_problem:
                 completion.status = "error"
-                completion.error = "; ".join(e for e in (header["response_problem"], completion.error) if e)
+                completion.error = "; ".join(e for e in (record.response_problem, completion.error) if e)
             if result.first_output_at:
-                ttft = (result.first_output_at - header["started"]) * 1000
+                ttft = (result.first_output_at - record.started) * 1000
             transport = "sse"
         else:
             transport = "http"
-            if header.get("response_started"):
-                ttft = (header["response_started"] - header["started"]) * 1000
-            body, problem = decoded(raw_response, header.get("response_encoding"))
-            problem = header.get("response_problem") or problem
-            status = header.get("http_status")
+            if record.response_started:
+                ttft = (record.response_started - record.started) * 1000
+            body, problem = decoded(raw_response, record.response_encoding)
+            problem = record.response_problem or problem
+            status = record.http_status
             if error and status is None:
                 completion = Completion(status="error", error=error)
             elif status is not None and status >= 400:
@@ -148,17 +126,17 @@ class Ingest:
                     completion = recording.parse_response(module, call.api, payload)
             if error and status is not None and completion.status == "ok":
                 completion.status, completion.error = "incomplete", error
-        if header.get("truncated"):  # cut for recording (stepmill_max_body): what was kept is not the whole call
-            cut = "; ".join(header["truncated"])
+        if record.truncated:  # cut for recording (stepmill_max_body): what was kept is not the whole call
+            cut = "; ".join(record.truncated)
             if completion.status == "ok":
                 completion.status = "incomplete"
             completion.error = f"{cut}; {completion.error}" if completion.error else cut
         completion.notes = list(completion.notes) + notes
-        if header.get("render_with") and request is not None and completion.status == "ok" \
+        if record.render_with and request is not None and completion.status == "ok" \
                 and completion.response_ids is None:
             try:  # a network call, here before the transaction, never inside it
                 completion.prompt_ids, completion.response_ids, note = engine_render.render(
-                    header["render_with"], request_body, completion.wire)
+                    record.render_with, request_body, completion.wire)
                 completion.token_provenance = "rendered"
                 completion.notes.append(note)
             except Exception as exc:
@@ -168,14 +146,14 @@ class Ingest:
             messages, wire = self.resolve_chain(request) if request is not None else ([], [])
             return recording.record_call(
                 self.store, call, request, parse_error, completion, messages, wire, transport=transport,
-                started=header["started"], ended=header.get("ended") or header["started"], ttft_ms=ttft,
-                http_status=header.get("http_status"), policy_version=header.get("policy_version"),
-                keep_raw=bool(header.get("keep_raw")), raw_request=raw_request, raw_response=raw_response)
+                started=record.started, ended=record.ended or record.started, ttft_ms=ttft,
+                http_status=record.http_status, policy_version=record.policy_version,
+                keep_raw=record.keep_raw, raw_request=raw_request, raw_response=raw_response)
         return write
 
     # -- WebSocket turns ------------------------------------------------------------------------
-    def _turn(self, call: Call, header: dict, blobs: list[bytes]) -> Callable[[], str]:
-        frames = header.get("frames") or []  # [time, blob index] of the server frames; blob 0 is the request
+    def _turn(self, call: Call, record: CallRecord, blobs: list[bytes]) -> Callable[[], str]:
+        frames = record.frames  # (time, blob index) of the server frames; blob 0 is the request
         raw_request = blobs[0]
         request, parse_error = None, None
         try:
@@ -193,12 +171,12 @@ class Ingest:
             if first_output_at is None and assembler.output_started:
                 first_output_at = at
         completion = assembler.finish()
-        cut = header.get("cut")
+        cut = record.cut
         if cut and completion.status == "ok":
             completion.status, completion.error = "incomplete", cut
         elif cut:
             completion.error = f"{completion.error}; {cut}" if completion.error else cut
-        ttft = (first_output_at - header["started"]) * 1000 if first_output_at else None
+        ttft = (first_output_at - record.started) * 1000 if first_output_at else None
 
         def write() -> str:
             if request is not None and not request.generate:
@@ -211,8 +189,8 @@ class Ingest:
             messages, wire = self.resolve_chain(request) if request is not None else ([], [])
             return recording.record_call(
                 self.store, call, request, parse_error, completion, messages, wire, transport="websocket",
-                started=header["started"], ended=header.get("ended") or header["started"], ttft_ms=ttft,
-                http_status=101, policy_version=header.get("policy_version"), keep_raw=bool(header.get("keep_raw")),
+                started=record.started, ended=record.ended or record.started, ttft_ms=ttft,
+                http_status=101, policy_version=record.policy_version, keep_raw=record.keep_raw,
                 raw_request=raw_request, raw_response=b"\n".join(blobs[i] for _, i in frames))
         return write
 
@@ -222,9 +200,8 @@ class Ingest:
             return request.messages, request.wire_messages
         base = self.warmups.get(request.previous_response_id)
         if base is None:
-            rows = self.store.query("SELECT id FROM steps WHERE response_id = ? ORDER BY rowid DESC LIMIT 1",
-                                    [request.previous_response_id])
-            base = self.store.continuation(rows[0]["id"]) if rows else None
+            step_id = self.store.step_for_response(request.previous_response_id)
+            base = self.store.continuation(step_id) if step_id else None
         if base is None:
             return request.messages, request.wire_messages
         base_messages, base_wire = base
@@ -233,12 +210,4 @@ class Ingest:
         return system + list(history) + request.messages[len(system):], list(base_wire) + list(request.wire_messages)
 
 
-def is_create_frame(content: bytes) -> bool:
-    return bool(CREATE_FRAME.match(content))
-
-
-def is_terminal_frame(content: bytes) -> bool:
-    return bool(TERMINAL_FRAME.search(content))
-
-
-__all__ = ["Ingest", "call_header", "is_create_frame", "is_terminal_frame"]
+__all__ = ["Ingest"]

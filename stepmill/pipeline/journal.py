@@ -1,4 +1,5 @@
-"""The append-only journal between the proxy and the database.
+"""Off the event loop: the append-only journal between the proxy and the database, appended by the
+handoff thread and read back by the writer.
 
 A finished call is appended here (a few system calls, into the OS page cache) before anything
 tries SQLite, so a locked database, a full disk or a kill -9 of the proxy never loses it: the
@@ -266,8 +267,14 @@ class Journal:
                 path.unlink(missing_ok=True)
 
 
+def stats_with_backlog(store) -> dict:
+    """``store.stats()`` with what its journals hold beyond the committed positions (`stepmill stats`, /v1/stats).
+    The journals are the pipeline's files beside the database; the store knows only their positions."""
+    return {**store.stats(), "journal": backlog(store.path, store.journal_positions())}
+
+
 def backlog(db_path, positions: dict[str, str]) -> dict:
-    """What every journal of a database holds beyond its committed position (for `stepmill stats`)."""
+    """What every journal of a database holds beyond its committed position."""
     root = journal_root(db_path)
     journals, pending = 0, 0
     for folder in sorted(root.iterdir()) if root.exists() else []:

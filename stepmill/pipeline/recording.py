@@ -1,4 +1,5 @@
-"""From a parsed call to stored steps, never raising and never losing the call.
+"""Off the event loop, in the writer: from a parsed call to stored steps, never raising and never
+losing the call.
 
 Parsers see bodies of any shape (valid JSON with odd types, huge integers, lone surrogates), and
 a write can fail after a good parse. Each layer here catches what the one before could not:
@@ -9,19 +10,16 @@ a full step, else an ``error`` step with what did parse and the raw bytes, else 
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import sqlite3
-from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
 
 from stepmill.store.db import Store
 from stepmill.store.records import StepRecord
 
-from stepmill import tags as tagging
 from stepmill.protocols import Completion, ParsedRequest, ProtocolError
 from stepmill.protocols.base import load_json_object
+from stepmill.pipeline.call_record import Call
 from stepmill.pipeline.redaction import redact_bytes, redact_json, redact_text
 
 log = logging.getLogger("stepmill")
@@ -40,28 +38,6 @@ def _environmental(exc: Exception) -> bool:
 
 def iso(ts: float) -> str:
     return _dt.datetime.fromtimestamp(ts, _dt.UTC).isoformat(timespec="milliseconds")
-
-
-def json_bytes(value: Any) -> bytes:
-    """JSON for the wire; ASCII escapes where the value holds text UTF-8 cannot carry (lone surrogates)."""
-    try:
-        return json.dumps(value, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        return json.dumps(value).encode()
-
-
-@dataclass
-class Call:
-    """Who made a call and where it went: everything a step needs besides the exchange itself."""
-
-    api: str
-    host: str
-    path: str
-    tags: tagging.Tags = field(default_factory=tagging.Tags)
-    session_id: str | None = None
-    headers: dict | None = None  # allowlisted (secrets.allowed_headers), values redacted before the journal
-    client_conn: str | None = None
-    default_channel: str | None = None
 
 
 def parse_request(module: ModuleType, api: str, raw: bytes) -> tuple[ParsedRequest | None, dict | None, str | None]:

@@ -1,7 +1,8 @@
 """What may be stored of a request: an allowlist of headers, and secrets taken out of everything else.
 
-The allowlist applies on the event loop (a dict filter); values are redacted with everything
-else in the handoff thread, before the journal (``writer.redact_header``).
+Both sides of the event loop: the allowlist applies on the loop (``allowed_headers``, a dict
+filter); values are redacted with everything else off it, in the handoff thread before the
+journal (``handoff.redact_record``), and in the writer for what it stores raw.
 
 Agents send API keys in headers, URL queries, WebSocket subprotocols and JSON bodies. None of
 them may reach the database: headers are kept only by name from a short list, and every text

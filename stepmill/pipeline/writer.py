@@ -1,13 +1,11 @@
-"""The writer: finished calls go from the event loop to the journal, and from the journal to SQLite.
+"""Off the event loop: the writer, from the journal to the store.
 
-    event loop ──submit()──▶ Handoff thread ──append──▶ journal ──▶ Writer ──batch──▶ SQLite
-      (bytes only)             (one write() per call)     (on disk)   (thread, or its own process)
+    event loop ──submit()──▶ handoff thread ──append──▶ journal ──▶ Writer ──batch──▶ store
+      (bytes only)             (handoff.py)               (on disk)   (a thread, or its own process)
 
-The event loop only hands over references to bytes it already has. The handoff thread
-appends each call to the journal (secrets redacted first), which survives a kill -9 of the
-proxy. The writer parses,
-links and writes in batches, one transaction each, recording how far in the journal it got in
-that same transaction; it checkpoints the WAL itself. A locked database or a full disk only
+The writer reads what the handoff appended, parses, links and writes in batches, one
+transaction each, recording how far in the journal it got in that same transaction; it
+checkpoints the WAL itself. A locked database or a full disk only
 makes the journal grow; the calls are committed when the file takes writes again, or by the
 next writer that starts. Run as a process (``python -m stepmill.pipeline.writer``), the writer
 gets a core of its own and its parsing never holds the proxy's GIL.
@@ -16,9 +14,7 @@ gets a core of its own and its parsing never holds the proxy's GIL.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
-import itertools
 import logging
 import os
 import select
@@ -30,147 +26,21 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from stepmill.errors import StoreUnavailable
 from stepmill.store.db import Store
-from stepmill.pipeline.journal import Journal, decode_entry, entry_parts, state_key
-
+from stepmill.pipeline.call_record import CallRecord
+from stepmill.pipeline.handoff import BATCH_WAIT
 from stepmill.pipeline.ingest import Ingest
+from stepmill.pipeline.journal import Journal, state_key
 from stepmill.pipeline.recording import EnvironmentFailure
-from stepmill.pipeline.redaction import redact_bytes, redact_text
-from stepmill.addon.stream_tap import decode_kept
 
 log = logging.getLogger("stepmill")
 
 BATCH_BYTES = 8 * 1024 * 1024  # journal bytes per transaction at most
-BATCH_WAIT = 0.1  # seconds the writer waits for more calls before committing what it has
+# BATCH_WAIT (handoff.py): seconds the writer waits for more calls before committing what it has
 CHECKPOINT_WAL_BYTES = 32 * 1024 * 1024  # the writer checkpoints after committing this much, or when idle
 CHECKPOINT_IDLE = 5.0  # seconds without calls after which the WAL is checkpointed
 RETRY_WAIT = 0.5  # after a locked database or a full disk
-MEMORY_LIMIT = 256 * 1024 * 1024  # calls waiting for the journal (a full disk) at most, in bytes
-
-
-def redact_header(header: dict) -> dict:
-    """The entry's header with its header values and error text cleaned (their names are allowlisted
-    already, on the loop)."""
-    if header.get("headers"):
-        header["headers"] = {name: redact_text(value) for name, value in header["headers"].items()}
-    if header.get("error"):
-        header["error"] = redact_text(header["error"])
-    return header
-
-
-class Handoff:
-    """In the proxy: takes finished calls from the event loop and appends them to the journal."""
-
-    def __init__(self, journal: Journal, notify, memory_limit: int = MEMORY_LIMIT):
-        self.journal = journal
-        self.notify = notify  # called after appends: wakes the writer
-        self.memory_limit = memory_limit
-        self.queue: collections.deque = collections.deque()
-        self.memory = 0
-        self.dropped = 0
-        self.appended = 0
-        self.failing: str | None = None  # why the journal does not take appends now
-        self.delays: collections.deque = collections.deque(maxlen=1000)  # call end → in the journal, seconds
-        self._notified = 0.0
-        self._wake = threading.Event()
-        self._stop = False
-        self.thread = threading.Thread(target=self._run, name="stepmill-handoff", daemon=True)
-        self.thread.start()
-
-    def submit(self, header: dict, blobs: list[bytes]) -> None:
-        """On the event loop: O(1), no I/O."""
-        limit = header.get("max_body") or None  # what is kept of a larger body: never dropped for its size
-        size = sum(min(len(b), limit) if limit else len(b) for b in blobs)
-        if self.memory + size > self.memory_limit:
-            self.dropped += 1  # the journal has refused appends for long: memory is the last bound
-            return
-        self.memory += size
-        self.queue.append((header, blobs, size))
-        self._wake.set()
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait(RETRY_WAIT if self.failing else None)
-            self._wake.clear()
-            while self.queue:
-                batch = list(itertools.islice(self.queue, 256))  # the loop only appends on the right
-                # Secrets never reach the disk, the journal included (a few ms per MB, off the loop).
-                data = [part for header, blobs, _ in batch for part in entry_parts(*self.clean(header, blobs))]
-                try:
-                    self.journal.append(data)  # one write() for the batch
-                except OSError as exc:
-                    if self.failing is None:
-                        log.warning(f"stepmill: the journal takes no appends ({exc}); calls wait in memory")
-                    self.failing = str(exc)
-                    break
-                if self.failing is not None:
-                    log.warning("stepmill: the journal takes appends again")
-                    self.failing = None
-                now = time.time()
-                for header, _, size in batch:
-                    self.queue.popleft()
-                    self.memory -= size
-                    self.delays.append(now - (header.get("ended") or now))
-                self.appended += len(batch)
-                # One wake-up per BATCH_WAIT is enough: a woken writer waits that long before it reads
-                # the journal, so it also sees what was appended since.
-                if time.monotonic() - self._notified >= BATCH_WAIT or self._stop:
-                    self._notified = time.monotonic()
-                    self.notify()
-            if self._stop and not self.queue:
-                return
-
-    @staticmethod
-    def clean(header: dict, blobs: list) -> tuple[dict, list[bytes]]:
-        """Off the loop: what the journal gets of a call. Bodies are cut to ``max_body``, decoded (secrets
-        in a gzip body are only found decoded) and redacted; the header then says they are plain (no
-        encoding), so the writer never decodes them again. The call's own header stays as it came: a
-        batch the journal refused is cleaned again from it."""
-        header = dict(header)
-        if header.get("kind") == "websocket":  # frames: no content-encoding, each bounded by mitmproxy
-            return redact_header(header), [redact_bytes(blob) for blob in blobs]
-        limit = header.get("max_body") or None
-        cuts, out = [], []
-        for index, blob in enumerate(blobs):
-            if index > 1:
-                out.append(redact_bytes(blob))
-                continue
-            role, peer = ("request", "upstream") if index == 0 else ("response", "client")
-            received = max(len(blob), header.get("received") or 0) if index == 1 else len(blob)
-            if limit and len(blob) > limit:
-                blob = blob[:limit]
-            stream = index == 1 and header.get("kind") == "sse"
-            blob, marks, problem, cut_decoded = decode_kept(
-                blob, header.get(f"{role}_encoding"), header.get("marks") if stream else None, limit)
-            header[f"{role}_encoding"] = None  # plain from here on
-            if stream:
-                header["marks"] = marks
-            if problem:
-                header[f"{role}_problem"] = problem
-            if received > (limit or received):
-                cuts.append(f"{role} truncated for recording: stepmill kept the first {limit} of its {received} "
-                            f"bytes (stepmill_max_body); the {peer} got every byte")
-            elif cut_decoded:
-                cuts.append(f"{role} truncated for recording: stepmill kept the first {limit} bytes of its "
-                            f"decoded body (stepmill_max_body); the {peer} got every byte")
-            out.append(redact_bytes(blob))
-        if cuts:
-            header["truncated"] = cuts
-            header["notes"] = list(header.get("notes") or []) + cuts
-        return redact_header(header), out
-
-    def close(self, timeout: float = 10.0) -> None:
-        self._stop = True
-        self._wake.set()
-        self.thread.join(timeout)
-
-    def status(self) -> dict:
-        delays = sorted(self.delays)
-        return {"in_memory": len(self.queue), "in_memory_bytes": self.memory, "dropped": self.dropped,
-                "journaled": self.appended, "journal_error": self.failing,
-                "journal_delay_ms": {"p50": round(delays[len(delays) // 2] * 1000, 3),
-                                     "p99": round(delays[int(len(delays) * 0.99)] * 1000, 3),
-                                     "max": round(delays[-1] * 1000, 3)} if delays else None}
 
 
 class Writer:
@@ -196,7 +66,7 @@ class Writer:
 
     def run(self) -> None:
         store = Store(self.db_path)
-        store.db.conn.execute("PRAGMA wal_autocheckpoint = 0")  # checkpoints happen here, between batches
+        store.manage_checkpoints()  # checkpoints happen here, between batches
         ingest = Ingest(store)
         orphans = [j for j in Journal.orphans(self.db_path) if j.folder != self.journal.folder]
         for orphan in orphans:
@@ -229,13 +99,12 @@ class Writer:
             if not entries:
                 return False
             # Parsing first, outside the transaction: the write lock is held only for the SQL.
-            writes = [ingest.prepare(*decode_entry(payload)) for _, payload in entries]
-            with self.priority.raised(), store.batch() as conn:
+            writes = [ingest.prepare(*CallRecord.from_entry(payload)) for _, payload in entries]
+            with self.priority.raised(), store.batch():
                 for write in writes:
                     write()
-                conn.execute("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)",
-                             [state_key(journal.id), str(entries[-1][0])])
-        except (sqlite3.OperationalError, EnvironmentFailure) as exc:
+                store.set_state(state_key(journal.id), str(entries[-1][0]))
+        except (sqlite3.OperationalError, StoreUnavailable, EnvironmentFailure) as exc:
             if self.failing is None:
                 log.warning(f"stepmill: the database takes no writes now ({exc}); calls stay in the journal")
             self.failing = str(exc)
@@ -253,10 +122,7 @@ class Writer:
 
     def _checkpoint(self, store: Store, mode: str) -> None:
         self._since_checkpoint = 0
-        try:
-            store.db.conn.execute(f"PRAGMA wal_checkpoint({mode})")
-        except sqlite3.OperationalError:
-            pass  # a reader holds the WAL; the next batch tries again
+        store.checkpoint(mode)  # False when a reader holds the WAL: the next batch tries again
 
 
 class ThreadWriter:

@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def json_bytes(value: Any) -> bytes:
+    """JSON for the wire; ASCII escapes where the value holds text UTF-8 cannot carry (lone surrogates)."""
+    try:
+        return json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(value).encode()
+
+
 class ProtocolError(ValueError):
     """A body that does not have the shape its protocol promises."""
 

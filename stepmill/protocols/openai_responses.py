@@ -1,15 +1,30 @@
 """OpenAI Responses (/v1/responses) over HTTP, SSE and WebSocket.
 
 A request may carry only the new input plus ``previous_response_id``; the addon rebuilds
-the full conversation from the responses it has seen (see ``addon.capture``).
+the full conversation from the responses it has seen (see ``stepmill.pipeline.ingest``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from stepmill.protocols.base import AssistantBuilder, Completion, ParsedRequest, ProtocolError, canonical_content, tool_call, usage_of
+
+# WebSocket frames, recognised on the event loop without parsing them: the one that starts a turn
+# and the ones that end it.
+CREATE_FRAME = re.compile(rb'^\s*\{.{0,200}?"type"\s*:\s*"response\.create"', re.S)
+TERMINAL_FRAME = re.compile(rb'"type"\s*:\s*"(?:response\.(?:completed|failed|incomplete)|error)"')
+
+
+def is_create_frame(content: bytes) -> bool:
+    return bool(CREATE_FRAME.match(content))
+
+
+def is_terminal_frame(content: bytes) -> bool:
+    return bool(TERMINAL_FRAME.search(content))
+
 
 API = "openai.responses"
 TERMINAL_EVENTS = {"response.completed", "response.incomplete", "response.failed", "error"}

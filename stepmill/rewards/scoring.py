@@ -26,15 +26,12 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
+from stepmill.errors import ConfigError
 from stepmill.store import curation
-from stepmill.store.encoding import dumps, loads
-from stepmill.store.db import Store, now_iso
+from stepmill.store.encoding import loads
+from stepmill.store.db import Store
 
 SPEC_KEYS = {"name", "function", "source", "where", "options"}
-
-
-class ConfigError(ValueError):
-    """A reward configuration that cannot be used, with the key that is wrong."""
 
 
 @dataclass
@@ -93,7 +90,7 @@ def _matches(trajectory: dict, where: dict) -> bool:
 
 def trajectory_input(store: Store, row: dict) -> dict:
     """What a reward function receives."""
-    steps = list(store.iter_steps("s.trajectory_id = ?", [row["id"]], with_tokens=False))
+    steps = list(store.iter_steps(trajectory_id=row["id"], with_tokens=False))
     attempt = store.registered_at(row["id"])
     if attempt is not None:  # a resumed run is scored on its latest attempt alone
         steps = [s for s in steps if (s.get("started_at") or "") >= attempt]
@@ -114,16 +111,14 @@ class ScoreReport:
 
 
 def score(store: Store, specs: list[RewardSpec], *, where: str | None = None, params: Any = (),
-          batch_size: int = 32, progress: bool | None = None) -> dict[str, ScoreReport]:
-    """Score completed trajectories without a value from each reward yet; one transaction per batch."""
-    condition = "t.status = 'complete'" + (f" AND ({where})" if where else "")
-    rows = store.query(f"SELECT t.* FROM trajectories t WHERE {condition} ORDER BY t.created_at", params)
+          id_prefix: str | None = None, batch_size: int = 32, progress: bool | None = None) -> dict[str, ScoreReport]:
+    """Score completed trajectories without a value from each reward yet; one transaction per batch.
+    ``where``: a condition on the trajectories (alias t) given by the user; ``id_prefix``: one rollout's."""
+    rows = store.completed_trajectories(where, params, id_prefix=id_prefix)
     reports = {}
     for spec in specs:
         report = reports[spec.name] = ScoreReport()
-        done = {r["target_id"] for r in store.query(
-            "SELECT target_id FROM rewards WHERE target_kind = 'trajectory' AND name = ? AND value IS NOT NULL",
-            [spec.name])}
+        done = store.rewarded_trajectories(spec.name)
         todo = [row for row in rows if row["id"] not in done]
         bar = tqdm(total=len(todo), desc=spec.name, unit="trajectory",
                    disable=(not progress) if progress is not None else None)
@@ -135,14 +130,12 @@ def score(store: Store, specs: list[RewardSpec], *, where: str | None = None, pa
                     report.skipped += 1
                     continue
                 results.append((row["id"], *_run(spec, trajectory)))
-            with store.write() as conn:
-                for trajectory_id, value, details in results:
-                    curation.add_reward(conn, "trajectory", trajectory_id, value, source=spec.source, name=spec.name,
-                                        details=dumps(details), created_at=now_iso())
-                    if value is None:
-                        report.failed += 1
-                    else:
-                        report.scored += 1
+            store.add_trajectory_rewards(results, source=spec.source, name=spec.name)
+            for _, value, _ in results:
+                if value is None:
+                    report.failed += 1
+                else:
+                    report.scored += 1
             bar.update(min(batch_size, len(todo) - start))
         bar.close()
     return reports

@@ -52,11 +52,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stepmill.errors import ConfigError
 from stepmill.runner.isolation import MODES, Isolation
-
-
-class ConfigError(ValueError):
-    pass
 
 
 @dataclass

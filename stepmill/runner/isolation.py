@@ -29,6 +29,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stepmill.errors import ConfigError
+
 MODES = ("auto", "sandbox", "user", "container", "none")
 # Sockets of services that act for the runner's user (or for root) outside the sandbox: the session and
 # system buses (systemd runs anything it is asked), SSH and GPG agents, container engines.
@@ -40,7 +42,7 @@ NONE_WARNING = ("stepmill: run {trajectory} is NOT isolated (isolation = none): 
                 "database, the dataset's answers and the proxy's token, and change its own data")
 
 
-class IsolationError(RuntimeError):
+class IsolationError(ConfigError):
     """The isolation asked for cannot be had here; the message says why and what to do."""
 
 

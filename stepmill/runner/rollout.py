@@ -192,8 +192,8 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool, mode: str) -> R
             # are set again whatever that writer gave.
             proxy.client.update_trajectory(trajectory, group_id=group, channel=run.channel, metadata=metadata,
                                            scoring=scoring)
-            for row in store.query("SELECT id FROM steps WHERE trajectory_id = ?", [trajectory]):
-                proxy.client.review(row["id"], "label", "bad", reviewer="stepmill-rollout")
+            for step_id in store.step_ids(trajectory):
+                proxy.client.review(step_id, "label", "bad", reviewer="stepmill-rollout")
         # A fresh secret per run (a rerun's replaces the old): only this run's credentials write here.
         return proxy.client.register_run(trajectory)["secret"]
 
@@ -422,18 +422,17 @@ def _print_progress(report: Report, store, dataset: str, end: str | None = None)
                 return
             report.shown_at = now
         end = "\r" if sys.stderr.isatty() else "\n"
-    steps = store.query("SELECT count(*) AS n, coalesce(sum(s.output_tokens), 0) AS t FROM steps s "
-                        "JOIN trajectories t ON t.id = s.trajectory_id WHERE t.id LIKE ?", [f"{dataset}-%"])[0]
+    steps = store.rollout_totals(f"{dataset}-")
     print(f"runs {report.done + report.skipped}/{report.total} done ({report.skipped} earlier), {report.running} "
-          f"running, {report.failed} failed, {report.timed_out} timed out; {steps['n']} steps, "
-          f"{steps['t']} output tokens   ", end=end, file=sys.stderr, flush=True)
+          f"running, {report.failed} failed, {report.timed_out} timed out; {steps['steps']} steps, "
+          f"{steps['output_tokens']} output tokens   ", end=end, file=sys.stderr, flush=True)
 
 
 def _score(config: Config, db: str, dataset: str) -> None:
     from stepmill.store import Store
     from stepmill.rewards.scoring import load_config, score
 
-    reports = score(Store(db), load_config(config.path, other_sections=True), where="t.id LIKE :p",
-                    params={"p": f"{dataset}-%"}, progress=False)
+    reports = score(Store(db), load_config(config.path, other_sections=True), id_prefix=f"{dataset}-",
+                    progress=False)
     for name, result in reports.items():
         print(f"reward {name}: scored {result.scored}, failed {result.failed}", file=sys.stderr)

@@ -1,9 +1,9 @@
-"""What the dashboard pages show: live runs, charts, and one group's rollouts with their prefix tree.
+"""What the dashboard pages show: live runs (the live page), charts (the lifecycle page), and one
+group's rollouts with their prefix tree (the group page).
 
-``live`` is one SQL statement over a recent window, every part of it read through an index
-(run_credentials.created_at, trajectories.completed_at, steps.started_at), so a refresh costs
-the same whatever the file's size. ``group`` packs a group's steps with the bridge's own
-``pack_tree`` and cuts the packed trie into the segments the page draws.
+``live`` shapes one indexed query over a recent window (``views.LIVE``), so a refresh costs the
+same whatever the file's size. ``group`` packs a group's steps with the bridge's own ``pack_tree``
+and cuts the packed trie into the segments the page draws.
 """
 
 from __future__ import annotations
@@ -14,33 +14,10 @@ from collections import defaultdict
 
 import numpy as np
 
-from stepmill.store import curation
-from stepmill.store.db import Store, loads
+from stepmill.errors import NotFound
+from stepmill.store import Store, views
+from stepmill.store.encoding import loads
 
-# An open run is starting until its first step is recorded (it may wait for a slot), then running.
-_OPEN_STATE = ("CASE WHEN json_extract(r.metadata, '$.outcome') IS NOT NULL THEN 'finishing' WHEN EXISTS "
-               "(SELECT 1 FROM steps s WHERE s.trajectory_id = r.id) THEN 'running' ELSE 'starting' END")
-_RUN_STATE = (f"CASE WHEN r.status = 'open' THEN {_OPEN_STATE} "
-              "ELSE coalesce(json_extract(r.metadata, '$.outcome'), 'complete') END")
-# Rows: kind, agent, model, policy_version, bucket, n, tokens, trajectory. ``recent``: runs registered or
-# finished in the window (a rerun registers again, so it counts as running from its new start).
-LIVE = f"""
-WITH recent AS (
-  SELECT t.* FROM run_credentials c JOIN trajectories t ON t.id = c.trajectory_id WHERE c.created_at >= :since
-  UNION SELECT t.* FROM trajectories t WHERE t.completed_at >= :since)
-SELECT 'runs', json_extract(r.metadata, '$.agent'), NULL, r.policy_version, {_RUN_STATE}, count(*), 0, NULL
-  FROM recent r WHERE json_extract(r.metadata, '$.agent') IS NOT NULL GROUP BY 2, 4, 5
-UNION ALL SELECT * FROM (
-  SELECT 'running', json_extract(r.metadata, '$.agent'), {_OPEN_STATE}, r.policy_version, r.created_at, 1, 0, r.id
-  FROM recent r WHERE r.status = 'open' AND json_extract(r.metadata, '$.agent') IS NOT NULL
-  AND json_extract(r.metadata, '$.outcome') IS NULL ORDER BY r.created_at DESC LIMIT 20)
-UNION ALL
-SELECT iif(s.started_at >= :minute_ago, 'last', 'steps'), json_extract(t.metadata, '$.agent'), s.model,
-  s.policy_version, substr(s.started_at, 1, 16), count(*),
-  sum(coalesce(s.input_tokens, 0) + coalesce(s.output_tokens, 0)), NULL
-  FROM steps s LEFT JOIN trajectories t ON t.id = s.trajectory_id WHERE s.started_at >= :since
-  GROUP BY 1, 2, 3, 4, 5
-"""
 OUTCOMES = ("starting", "running", "ok", "failed", "timeout")
 DIMENSIONS = ("agent", "model", "policy_version")
 
@@ -49,12 +26,12 @@ def _iso(moment: _dt.datetime) -> str:
     return moment.isoformat(timespec="milliseconds")
 
 
-def live(conn, minutes: int = 30, now: _dt.datetime | None = None) -> dict:
+def live(source, minutes: int = 30, now: _dt.datetime | None = None) -> dict:
     """Runs starting / running / ok / failed / timed out and steps and tokens per minute over the last ``minutes``,
     overall and per agent, model and policy version."""
     now = now or _dt.datetime.now(_dt.UTC)
     since = now - _dt.timedelta(minutes=minutes)
-    params = {"since": _iso(since), "minute_ago": _iso(now - _dt.timedelta(minutes=1))}
+    since_iso = _iso(since)
     empty = lambda: {**dict.fromkeys(OUTCOMES, 0), "steps": 0, "tokens": 0, "steps_per_min": 0,
                      "tokens_per_min": 0}
     totals = empty()
@@ -62,7 +39,8 @@ def live(conn, minutes: int = 30, now: _dt.datetime | None = None) -> dict:
     minute_keys = [_iso(since + _dt.timedelta(minutes=i))[:16] for i in range(minutes + 1)]
     series: dict = defaultdict(lambda: dict.fromkeys(minute_keys, 0))
     running = []
-    for kind, agent, model, version, bucket, n, tokens, trajectory in conn.execute(LIVE, params):
+    rows = views.live_rows(source, since_iso, _iso(now - _dt.timedelta(minutes=1)))
+    for kind, agent, model, version, bucket, n, tokens, trajectory in rows:
         keys = {"agent": agent or "(none)", "model": model or "(none)", "policy_version": str(version or "(none)")}
         if kind == "running":
             running.append({"trajectory_id": trajectory, "agent": keys["agent"], "policy_version": version,
@@ -85,16 +63,16 @@ def live(conn, minutes: int = 30, now: _dt.datetime | None = None) -> dict:
                 row["tokens_per_min"] += tokens
         if bucket in minute_keys:
             series[keys["agent"]][bucket] += n
-    return {"minutes": minutes, "since": params["since"], "now": _iso(now), "totals": totals,
+    return {"minutes": minutes, "since": since_iso, "now": _iso(now), "totals": totals,
             "by": {d: [{"key": k, **v} for k, v in sorted(rows.items())] for d, rows in by.items()},
             "series": {"minutes": [k[11:] for k in minute_keys],
                        "steps": {agent: list(counts.values()) for agent, counts in sorted(series.items())}},
             "running": running}
 
 
-def _bucket_length(conn) -> tuple[int, str]:
+def _bucket_length(store: Store) -> tuple[int, str]:
     """Minutes for a short history, hours for days, days beyond (prefix lengths of an ISO time)."""
-    first, last = conn.execute("SELECT min(started_at), max(started_at) FROM steps").fetchone()
+    first, last = views.step_time_span(store)
     if not first:
         return 16, "minute"
     span = _dt.datetime.fromisoformat(last) - _dt.datetime.fromisoformat(first)
@@ -106,21 +84,11 @@ def _bucket_length(conn) -> tuple[int, str]:
 def charts(store: Store, *, trajectories: int = 300, groups: int = 12) -> dict:
     """Steps over time, reward per policy version and agent, turns and response tokens of recent
     trajectories, and the packed token ratio of recent groups."""
-    conn = store.db.conn
-    width, unit = _bucket_length(conn)
-    steps = conn.execute(f"SELECT substr(started_at, 1, {width}), count(*) FROM steps GROUP BY 1").fetchall()
-    rewards = conn.execute(
-        "SELECT coalesce(policy_version, '(none)'), coalesce(json_extract(metadata, '$.agent'), '(none)'), "
-        "avg(reward), count(reward) FROM trajectories WHERE reward IS NOT NULL GROUP BY 1, 2 ORDER BY 1, 2").fetchall()
-    recent = conn.execute(
-        "SELECT t.id, coalesce(json_extract(t.metadata, '$.agent'), '(none)'), "
-        "(SELECT count(*) FROM steps s WHERE s.trajectory_id = t.id), "
-        "(SELECT coalesce(sum(output_tokens), 0) FROM steps s WHERE s.trajectory_id = t.id) "
-        "FROM (SELECT * FROM trajectories ORDER BY created_at DESC LIMIT ?) t", [trajectories]).fetchall()
-    group_ids = [g for (g,) in conn.execute(
-        "SELECT group_id FROM (SELECT group_id, max(created_at) AS last FROM (SELECT group_id, created_at FROM "
-        "trajectories WHERE group_id IS NOT NULL ORDER BY created_at DESC LIMIT 500) GROUP BY 1) "
-        "ORDER BY last DESC LIMIT ?", [groups])]
+    width, unit = _bucket_length(store)
+    steps = views.steps_per_bucket(store, width)
+    rewards = views.reward_by_version_and_agent(store)
+    recent = views.recent_trajectory_sizes(store, trajectories)
+    group_ids = views.recent_group_ids(store, groups)
     packed = []
     for group_id in group_ids:
         summary = group_summary(store, group_id)
@@ -133,19 +101,8 @@ def charts(store: Store, *, trajectories: int = 300, groups: int = 12) -> dict:
 
 
 # -- one group ---------------------------------------------------------------------------------
-_GROUP_STEPS = f"""
-SELECT s.id, s.trajectory_id, s.step_index, s.prompt_len, s.response_len, s.output_tokens, s.completion,
-  ({curation.GATE_REASON}) AS gate
-FROM steps s WHERE s.group_id = ? ORDER BY s.started_at, s.rowid
-"""
 _packed_cache: dict = {}
 _cache_lock = threading.Lock()
-
-
-def _signature(conn, group_id: str) -> tuple:
-    """What a group's packing depends on: its steps and the reviews (the gate)."""
-    return tuple(conn.execute("SELECT count(*), max(rowid), (SELECT max(id) FROM reviews) FROM steps "
-                              "WHERE group_id = ?", [group_id]).fetchone())
 
 
 def _pack(store: Store, group_id: str) -> dict:
@@ -153,8 +110,7 @@ def _pack(store: Store, group_id: str) -> dict:
     them (prompt + response per step, loss on the response); the gated subset's ratio beside it."""
     from stepmill.trainer_bridge.prefix_tree import pack_tree
 
-    steps = [dict(zip(("id", "trajectory_id", "step_index", "prompt_len", "response_len", "output_tokens",
-                       "completion", "gate"), row)) for row in store.db.conn.execute(_GROUP_STEPS, [group_id])]
+    steps = views.group_steps(store, group_id)
     with_ids = [s for s in steps if s["prompt_len"] is not None]
     sequences, masks = [], []
     for step in with_ids:
@@ -168,7 +124,7 @@ def _pack(store: Store, group_id: str) -> dict:
 
 
 def packed(store: Store, group_id: str) -> dict:
-    key = _signature(store.db.conn, group_id)
+    key = views.group_signature(store, group_id)  # what the packing depends on: steps and reviews
     with _cache_lock:
         hit = _packed_cache.get(group_id)
         if hit and hit[0] == key:
@@ -183,7 +139,7 @@ def packed(store: Store, group_id: str) -> dict:
 
 def group_summary(store: Store, group_id: str) -> dict:
     pack = packed(store, group_id)
-    rewards = [r for (r,) in store.db.conn.execute("SELECT reward FROM trajectories WHERE group_id = ?", [group_id])]
+    rewards = views.group_rewards(store, group_id)
     scored = [r for r in rewards if r is not None]
 
     def ratio(tree):
@@ -226,10 +182,9 @@ def segments(tree, owners: list[str], limit: int = 400) -> list[dict]:
 
 def group(store: Store, group_id: str) -> dict:
     """The rollouts of a group side by side and the tree of their shared prefixes."""
-    conn = store.db.conn
-    rows = store.query("SELECT * FROM trajectories WHERE group_id = ? ORDER BY id", [group_id])
+    rows = views.group_trajectories(store, group_id)
     if not rows:
-        raise KeyError(group_id)
+        raise NotFound(f"group {group_id!r}")
     pack = packed(store, group_id)
     scored = [r["reward"] for r in rows if r["reward"] is not None]
     mean = sum(scored) / len(scored) if scored else None
@@ -246,8 +201,8 @@ def group(store: Store, group_id: str) -> dict:
             "outcome": meta.get("outcome"), "reward": row["reward"],
             "advantage": None if row["reward"] is None or mean is None else row["reward"] - mean,
             "steps": len(steps), "response_tokens": sum(s["output_tokens"] or 0 for s in steps),
-            "kept_steps": sum(s["gate"] is None for s in steps), "review": curation.review_state(conn, "trajectory",
-                                                                                                row["id"]),
+            "kept_steps": sum(s["gate"] is None for s in steps),
+            "review": views.review_state(store, "trajectory", row["id"]),
             "last_completion": last, "policy_version": row["policy_version"]})
     tree = pack["tree"]
     owners = [s["trajectory_id"] for s in pack["with_ids"]]

@@ -1,4 +1,5 @@
-"""Datasette plugin: readable views of steps and trajectories, reviews, and the lifecycle page.
+"""The Datasette plugin ``stepmill ui`` loads: readable views of steps, trajectories and groups,
+reviews, the lifecycle and live pages, and the sign-in gate in front of all of Datasette.
 
 Routes (HTML, or JSON with a .json suffix):
   /-/stepmill/steps/<step_id>
@@ -31,12 +32,11 @@ from datasette.utils import await_me_maybe, tilde_encode
 from datasette.utils.asgi import Request, Response
 from markupsafe import Markup, escape
 
-from stepmill.store import reviewers
-
-from stepmill.ui import dashboard
-from stepmill.store.db import Store
-from stepmill.ui.lifecycle import STAGES, lifecycle
+from stepmill.errors import NotFound
 from stepmill.protocols.messages import content_text
+from stepmill.store import Store, views
+from stepmill.ui import dashboard
+from stepmill.ui.lifecycle import STAGES, lifecycle
 
 SIGN_IN = "/-/stepmill/sign-in"
 # What anonymous visitors may fetch: the sign-in routes and static assets, nothing with data in it.
@@ -87,7 +87,9 @@ async def _call(datasette, request, fn, *args):
 
 def _load_step(store: Store, step_id: str) -> dict:
     record = store.step(step_id)
-    shared = store.query("SELECT messages_base_len FROM steps WHERE id = ?", [step_id])[0]["messages_base_len"]
+    if record is None:
+        raise NotFound(f"step {step_id!r}")
+    shared = views.messages_base_len(store, step_id)
     results, called = _pair_tools(record["messages"] + ([record["completion"]] if record["completion"] else []))
     return {"step": record, "shared": shared or 0, "curation": store.curation(step_id), "target": step_id,
             "drift": _drift(store, record), "tool_results": results, "tool_calls_shown": called}
@@ -144,11 +146,10 @@ def _pair_tools(messages) -> tuple[dict, set]:
 def _load_trajectory(store: Store, trajectory_id: str) -> dict:
     trajectory = store.trajectory(trajectory_id)
     if trajectory is None:
-        raise KeyError(trajectory_id)
-    shared = {row["id"]: row["messages_base_len"] or 0 for row in store.query(
-        "SELECT id, messages_base_len FROM steps WHERE trajectory_id = ?", [trajectory_id])}
+        raise NotFound(f"trajectory {trajectory_id!r}")
+    shared = views.messages_base_lens(store, trajectory_id)
     steps = []
-    for record in store.iter_steps("s.trajectory_id = ?", [trajectory_id], with_tokens=False):
+    for record in views.trajectory_steps(store, trajectory_id):
         record["new_messages"] = record["messages"][shared[record["step_id"]]:]
         steps.append(record)
     steps.sort(key=lambda r: (r["step_index"] is None, r["step_index"]))
@@ -174,7 +175,7 @@ async def _view(datasette, request, what: str, load, key: str, template: str, as
     item_id = _segment(request, key)
     try:
         db_name, context = await _call(datasette, request, load, item_id)
-    except KeyError:
+    except NotFound:
         return _not_found(f"{what} {item_id}", as_json)
     if as_json:
         return Response.json(as_data(context), default=str)
@@ -213,7 +214,7 @@ async def group_view(datasette, request):
 
 
 def _lifecycle_and_charts(store: Store) -> dict:
-    data = lifecycle(store.db.conn)
+    data = lifecycle(store)
     data["charts"] = dashboard.charts(store)
     return data
 
@@ -237,7 +238,7 @@ async def live_view(datasette, request):
     except ValueError:
         return Response.text("minutes: a whole number", status=400)
     if request.url_vars.get("ext"):
-        _, data = await _call(datasette, request, lambda store: dashboard.live(store.db.conn, minutes))
+        _, data = await _call(datasette, request, lambda store: dashboard.live(store, minutes))
         for run in data["running"]:
             run["url"] = stepmill_path("trajectories", run["trajectory_id"])
         return Response.json(data, headers={"Cache-Control": "no-store"})
@@ -250,7 +251,7 @@ async def sign_in(datasette, request):
     token = request.args.get("token") or ""
     name = None
     if token:
-        _, name = await _call(datasette, request, lambda store: reviewers.who(store.db.conn, token))
+        _, name = await _call(datasette, request, lambda store: views.reviewer_for_token(store, token))
     if not name:
         page = await datasette.render_template(
             "stepmill_sign_in.html", {"refused": bool(token), "actor": request.actor}, request=request)
@@ -285,7 +286,7 @@ async def review(datasette, request):
 
     try:
         await _call(datasette, request, write)
-    except KeyError:
+    except NotFound:
         return Response.text(f"no step or trajectory {target!r}", status=404)
     except ValueError as exc:
         return Response.text(str(exc), status=400)

@@ -1,11 +1,12 @@
-"""Datasette configuration for a stepmill database: labels, facets, stored queries."""
+"""How ``stepmill ui`` starts Datasette on a stepmill database: titles, column labels, facets and
+stored queries (``metadata.json``, ``datasette.json``) and the ``datasette serve`` arguments."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from stepmill.ui.lifecycle import AGENT, HEADERS_JOIN, USER_AGENT
+from stepmill.store import views
 
 STEP_COLUMNS = {
     "id": "Step id; open /-/stepmill/steps/<id> for the readable conversation",
@@ -70,64 +71,9 @@ def metadata(db_name: str) -> dict:
 
 
 def config(db_name: str) -> dict:
-    return {
-        "databases": {
-            db_name: {
-                "queries": {
-                    "recent_steps": {
-                        "title": "Recent steps",
-                        "sql": "select id, trajectory_id, step_index, api, model, status, finish_reason, "
-                               "input_tokens, output_tokens, ttft_ms, started_at from steps "
-                               "order by started_at desc limit 100",
-                    },
-                    "search": {
-                        "title": "Search conversations and completions",
-                        "description": 'Full-text (SQLite FTS5), e.g. "rm -rf" with the quotes',
-                        "sql": "select s.id, s.trajectory_id, s.step_index, s.model, s.status, "
-                               "snippet(steps_fts, -1, '[', ']', '…', 12) as match from steps_fts "
-                               "join steps s on s.rowid = steps_fts.rowid where steps_fts match :q "
-                               "order by rank limit 200",
-                    },
-                    "unreviewed": {
-                        "title": "Unreviewed trajectories",
-                        "sql": "select t.id, t.group_id, t.status, t.reward, t.created_at from trajectories t "
-                               "where not exists (select 1 from reviews r where r.target_kind = 'trajectory' and "
-                               "r.target_id = t.id) and not exists (select 1 from reviews r join steps s on "
-                               "r.target_kind = 'step' and r.target_id = s.id where s.trajectory_id = t.id) "
-                               "order by t.created_at desc limit 500",
-                    },
-                    "failed": {"title": "Failed and incomplete steps",
-                               "sql": "select id, trajectory_id, status, error, model, started_at from steps "
-                                      "where status != 'ok' order by started_at desc limit 500"},
-                    "truncated": {"title": "Truncated completions",
-                                  "sql": "select id, trajectory_id, model, finish_reason, output_tokens from "
-                                         "step_quality q join steps s using (id) where q.truncated order by "
-                                         "q.started_at desc limit 500"},
-                    "drifted": {"title": "Token drift (a child that does not continue its parent's ids)",
-                                "sql": "select id, trajectory_id, divergence_pos, divergence_reason, token_provenance "
-                                       "from steps where consistency = 'divergent' order by started_at desc limit 500"},
-                    "reward_missing": {"title": "Completed trajectories without a reward",
-                                       "sql": "select id, group_id, completed_at from trajectories where status = "
-                                              "'complete' and reward is null order by completed_at desc limit 500"},
-                    "stale": {"title": "Steps from older policy versions",
-                              "sql": "select id, trajectory_id, staleness from step_quality where staleness > 0 "
-                                     "order by staleness desc limit 500"},
-                    "by_agent": {"title": "Steps by agent (the runner's name; user agent beside)",
-                                 "sql": f"select {AGENT} as agent, {USER_AGENT} as user_agent, count(*) as steps, "
-                                        "sum(s.status != 'ok') as failed, sum(s.token_provenance = 'exact') as "
-                                        "exact_ids from steps s left join trajectories t on t.id = s.trajectory_id "
-                                        f"{HEADERS_JOIN} group by 1, 2 order by steps desc"},
-                    "trajectory_summary": {
-                        "title": "Trajectories with step counts",
-                        "sql": "select t.id, t.group_id, t.status, t.reward, count(s.id) as steps, "
-                               "sum(s.status != 'ok') as failed_steps, min(s.started_at) as first_step "
-                               "from trajectories t left join steps s on s.trajectory_id = t.id "
-                               "group by t.id order by first_step desc",
-                    },
-                }
-            }
-        }
-    }
+    """Datasette's settings for the database: the stored queries listed beside its tables."""
+    queries = {name: dict(query) for name, query in views.STORED_QUERIES.items()}
+    return {"databases": {db_name: {"queries": queries}}}
 
 
 def serve_args(db_path: str, folder: str | Path, *, host: str, port: int) -> list[str]:

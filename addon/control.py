@@ -1,0 +1,114 @@
+"""The control API as a mitmproxy addon of its own, on its magic host (as mitmproxy's ``onboarding``).
+
+``request`` only recognises a control call on the event loop: plain ``http://stepmill.local/...``
+through the proxy (the host is ``stepmill_control_host``; no DNS needed), or anything on the
+``--control-port`` listener. The answer is made in the control thread (``stepmill.api``), so its
+reads and writes never hold up the loop; a barrier waits on the loop, without blocking it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+
+from mitmproxy import ctx, http
+from mitmproxy.proxy import mode_specs
+
+from stepmill.addon.loop_state import LoopState, hook_failed
+from stepmill.api.control import ControlAPI, Endpoints
+from stepmill.auth.token import ensure_token
+from stepmill.protocols.base import json_bytes
+
+BARRIER_TIMEOUT = 60.0  # seconds a barrier waits for in-flight calls and the writer at most
+BARRIER_POLL = 0.02
+
+
+class ControlEndpoint:
+    def __init__(self, state: LoopState):
+        self.state = state
+        self.api: ControlAPI | None = None  # while a pipeline runs: it answers from the pipeline's store
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stepmill-control")
+
+    # -- set-up (``PipelineLifecycle`` opens and closes it with the pipeline) -----------------------
+    def open(self) -> None:
+        state = self.state
+        self.api = ControlAPI(state.pipeline.store, self.endpoints, token=ensure_token(ctx.options.confdir),
+                              status=state.pipeline.status, on_policy_version=state.set_policy_version,
+                              on_run=state.runs.add)
+
+    def close(self) -> None:
+        self.api = None
+
+    def configure(self, updated):
+        if "confdir" in updated and self.api is not None:
+            self.api.token = ensure_token(ctx.options.confdir)
+
+    def done(self):
+        self.thread.shutdown(wait=False)
+
+    def endpoints(self) -> Endpoints:
+        """Where agents reach this proxy (for the URLs of a new trajectory): its first listeners."""
+        ends = Endpoints()
+        for spec in ctx.options.mode:
+            try:
+                mode = mode_specs.ProxyMode.parse(spec)
+            except ValueError:
+                continue
+            host = mode.listen_host(ctx.options.listen_host) or "127.0.0.1"
+            port = mode.listen_port(ctx.options.listen_port)
+            url = f"http://{host}:{port}"
+            if isinstance(mode, mode_specs.RegularMode) and not ends.proxy:
+                ends.proxy = url
+            elif isinstance(mode, mode_specs.ReverseMode) and not ends.reverse and not self.is_control_mode(mode):
+                ends.reverse = url
+        return ends
+
+    @staticmethod
+    def is_control_mode(mode) -> bool:
+        """The ``--control-port`` listener: a reverse mode to http://<stepmill_control_host>."""
+        return isinstance(mode, mode_specs.ReverseMode) and mode.data == f"http://{ctx.options.stepmill_control_host}"
+
+    # -- on the event loop ----------------------------------------------------------------------
+    def request(self, flow: http.HTTPFlow):
+        """None for every other flow; for a control call, a coroutine (mitmproxy awaits it) that answers."""
+        if flow.response is not None:
+            return None  # another addon answered already (mitmproxy's proxyauth: 407)
+        mode = flow.client_conn.proxy_mode
+        if self.is_control_mode(mode) or (  # through the proxy, never on another host or a reverse port:
+                isinstance(mode, mode_specs.RegularMode) and flow.request.scheme == "http"
+                and flow.request.host == ctx.options.stepmill_control_host):
+            return self._answer(flow)
+        return None
+
+    async def _answer(self, flow: http.HTTPFlow):
+        """Completing a trajectory (and ``POST /v1/barrier``) first waits until every call of the
+        trajectory (of all, for the barrier) has ended and the writer committed it."""
+        request = flow.request
+        api = self.api
+        try:
+            if api is None:
+                raise RuntimeError("stepmill is not running")
+            waits = api.barrier_target(request.method, request.path, request.headers.get("authorization"))
+            if waits is not False:
+                flow.metadata["stepmill_barrier"] = await self._barrier(waits)
+            status, payload = await asyncio.get_running_loop().run_in_executor(
+                self.thread, lambda: api.handle(request.method, request.path, request.get_content(strict=False) or b"",
+                                                authorization=request.headers.get("authorization"),
+                                                barrier=flow.metadata.get("stepmill_barrier")))
+        except Exception as exc:
+            hook_failed("request")
+            status, payload = 500, {"error": f"the control API failed: {exc}"}
+        flow.response = http.Response.make(status, json_bytes(payload), {"Content-Type": "application/json"})
+
+    async def _barrier(self, trajectory_id: str | None) -> dict:
+        """Waits until no call of ``trajectory_id`` (any call, for None) is in flight, every call handed
+        off is in the journal, and the writer committed the journal up to where it then ended."""
+        started = time.monotonic()
+        deadline = started + BARRIER_TIMEOUT
+        while self.state.in_flight(trajectory_id) > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(BARRIER_POLL)
+        pipeline = self.state.pipeline
+        committed = pipeline is not None and await pipeline.flushed(deadline, self.thread)
+        return {"committed": committed, "waited_ms": round((time.monotonic() - started) * 1000, 1),
+                **({} if committed else {"in_flight": self.state.in_flight(trajectory_id)})}

@@ -1,0 +1,94 @@
+"""What the stepmill addons share on the event loop: the calls in flight and where they are handed.
+
+Everything here is read and changed on mitmproxy's event loop only, so it needs no lock. The
+pipeline (the handoff thread, the writer) lives off the loop; ``hand_off`` is the one way a
+finished call reaches it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+
+from stepmill import tags as tagging
+from stepmill.addon import engine
+from stepmill.addon.stream_tap import StreamTap
+from stepmill.auth.runs import RunTable
+from stepmill.pipeline.call_record import Call, CallRecord
+from stepmill.pipeline.service import Pipeline
+
+log = logging.getLogger("stepmill")
+
+
+def hook_failed(name: str) -> None:
+    """Hooks never raise into mitmproxy; the test suite reads this line to show none failed."""
+    log.exception(f"stepmill: {name} hook failed")
+
+
+@dataclass
+class Capture:
+    """What the addons know about one LLM call while it is in flight (``flow.metadata["stepmill"]``)."""
+
+    call: Call
+    started: float
+    raw_request: bytes
+    request_encoding: str | None
+    websocket: bool = False
+    added: engine.Added = field(default_factory=engine.Added)
+    tap: StreamTap | None = None
+    notes: list[str] = field(default_factory=list)
+    done: bool = False
+    translated: dict | None = None  # a Messages call served through chat: {"model", "stop_sequences"}
+    render_with: str | None = None  # a vLLM engine's root, whose /tokenize renders a call it gave no ids for
+
+    def record(self, kind: str, *, policy_version: str | None, keep_raw: bool, **facts) -> CallRecord:
+        """The record of an exchange of this call (a hook's failure has its own, ``HttpCapture``)."""
+        facts.setdefault("started", self.started)  # a WebSocket turn's own start replaces it
+        return CallRecord(kind=kind, call=self.call, render_with=self.render_with,
+                          policy_version=policy_version, keep_raw=keep_raw,
+                          request_encoding=self.request_encoding, **facts)
+
+
+@dataclass
+class Turn:
+    """One ``response.create`` on a Responses WebSocket, until its terminal event."""
+
+    request: bytes
+    started: float
+    frames: list[tuple[float, bytes]] = field(default_factory=list)
+
+
+class LoopState:
+    """Shared by the addons of one ``StepmillAddon``."""
+
+    def __init__(self):
+        self.pipeline: Pipeline | None = None  # from `running` until `done` (PipelineLifecycle)
+        self.policy_version: str | None = None  # set by the control API and by the pipeline's state watcher
+        self.runs = RunTable()  # registered runs, filled the same two ways
+        self.connection_tags: dict[str, tagging.Tags] = {}  # proxy credentials per client connection
+        # Calls in flight (request seen, not yet handed off) per trajectory: what a barrier waits for.
+        self.inflight: collections.Counter = collections.Counter()
+
+    def set_policy_version(self, version: str | None) -> None:
+        """Told by the control API (in its thread) and the state watch (in its own): one assignment."""
+        self.policy_version = version
+
+    def began(self, trajectory_id: str | None) -> None:
+        self.inflight[trajectory_id] += 1
+
+    def settled(self, trajectory_id: str | None) -> None:
+        """A call of ``trajectory_id`` is no longer in flight (handed off, upgraded or not ours)."""
+        self.inflight[trajectory_id] -= 1
+        if self.inflight[trajectory_id] <= 0:
+            del self.inflight[trajectory_id]
+
+    def in_flight(self, trajectory_id: str | None) -> int:
+        """Calls of ``trajectory_id`` in flight; of every trajectory for None."""
+        return sum(self.inflight.values()) if trajectory_id is None else self.inflight.get(trajectory_id, 0)
+
+    def hand_off(self, record: CallRecord, blobs: list) -> None:
+        """O(1): the pipeline queues the record and its blobs (references to bytes, no copies)."""
+        if self.pipeline is not None:
+            self.pipeline.submit(record, blobs)
+        self.settled(record.call.tags.trajectory_id)

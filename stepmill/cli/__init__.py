@@ -1,0 +1,34 @@
+"""The ``stepmill`` command. Each command parses its options, calls the room that does the work and
+prints the result; the commands live by what they are about (capture, data, curate, runs) and all
+stand at the top level (``stepmill export``)."""
+
+from __future__ import annotations
+
+import click
+
+from stepmill import __version__
+from stepmill.cli import capture, curate, data, runs
+from stepmill.errors import StepmillError
+
+__all__ = ["main"]
+
+
+class StepmillGroup(click.Group):
+    """The one place a stepmill error becomes ``Error: <message>`` and exit status 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except StepmillError as exc:
+            raise click.ClickException(str(exc)) from None
+
+
+@click.group(cls=StepmillGroup)
+@click.version_option(__version__)
+def main():
+    """stepmill: agents' LLM traffic in, training-ready RL step records out."""
+
+
+for _command in (*capture.COMMANDS, *data.COMMANDS, *curate.COMMANDS, *runs.COMMANDS):
+    main.add_command(_command)
+del _command

@@ -1,0 +1,160 @@
+"""The handoff: finished calls go from the event loop to the journal.
+
+    event loop ──submit(record, blobs)──▶ handoff thread ──append──▶ journal ──▶ writer (writer.py)
+      (references to bytes only)           (cleans, one write() per batch)
+
+``submit`` runs on the event loop and only queues references. Everything else here runs off the
+loop, on the handoff thread: bodies are cut to ``max_body``, decoded and redacted (secrets never
+reach the disk, the journal included), then appended to the journal, which survives a kill -9 of
+the proxy. While the journal refuses appends (a full disk), calls wait in memory, up to a bound.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+
+from stepmill.protocols.streams import decode_kept
+from stepmill.pipeline.call_record import CallRecord
+from stepmill.pipeline.journal import Journal
+from stepmill.pipeline.redaction import redact_bytes, redact_text
+
+log = logging.getLogger("stepmill")
+
+BATCH_WAIT = 0.1  # seconds a woken writer waits for more calls: the handoff wakes it at most this often
+RETRY_WAIT = 0.5  # after the journal refused an append
+MEMORY_LIMIT = 256 * 1024 * 1024  # calls waiting for the journal (a full disk) at most, in bytes
+
+
+def redact_record(record: CallRecord) -> CallRecord:
+    """The record with its header values and error text cleaned (their names are allowlisted already,
+    on the loop). Returns a copy; the record given is left as it came."""
+    changes: dict = {}
+    if record.call.headers:
+        changes["call"] = dataclasses.replace(
+            record.call, headers={name: redact_text(value) for name, value in record.call.headers.items()})
+    if record.error:
+        changes["error"] = redact_text(record.error)
+    return dataclasses.replace(record, **changes) if changes else record
+
+
+class Handoff:
+    """In the proxy: takes finished calls from the event loop and appends them to the journal."""
+
+    def __init__(self, journal: Journal, notify, memory_limit: int = MEMORY_LIMIT):
+        self.journal = journal
+        self.notify = notify  # called after appends: wakes the writer
+        self.memory_limit = memory_limit
+        self.queue: collections.deque = collections.deque()
+        self.memory = 0
+        self.dropped = 0
+        self.appended = 0
+        self.failing: str | None = None  # why the journal does not take appends now
+        self.delays: collections.deque = collections.deque(maxlen=1000)  # call end → in the journal, seconds
+        self._notified = 0.0
+        self._wake = threading.Event()
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="stepmill-handoff", daemon=True)
+        self.thread.start()
+
+    def submit(self, record: CallRecord, blobs: list[bytes]) -> None:
+        """On the event loop: O(1), no I/O."""
+        limit = record.max_body or None  # what is kept of a larger body: never dropped for its size
+        size = sum(min(len(b), limit) if limit else len(b) for b in blobs)
+        if self.memory + size > self.memory_limit:
+            self.dropped += 1  # the journal has refused appends for long: memory is the last bound
+            return
+        self.memory += size
+        self.queue.append((record, blobs, size))
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(RETRY_WAIT if self.failing else None)
+            self._wake.clear()
+            while self.queue:
+                batch = list(itertools.islice(self.queue, 256))  # the loop only appends on the right
+                # Secrets never reach the disk, the journal included (a few ms per MB, off the loop).
+                data = []
+                for record, blobs, _ in batch:
+                    cleaned, kept = self.clean(record, blobs)
+                    data += cleaned.entry_parts(kept)
+                try:
+                    self.journal.append(data)  # one write() for the batch
+                except OSError as exc:
+                    if self.failing is None:
+                        log.warning(f"stepmill: the journal takes no appends ({exc}); calls wait in memory")
+                    self.failing = str(exc)
+                    break
+                if self.failing is not None:
+                    log.warning("stepmill: the journal takes appends again")
+                    self.failing = None
+                now = time.time()
+                for record, _, size in batch:
+                    self.queue.popleft()
+                    self.memory -= size
+                    self.delays.append(now - (record.ended or now))
+                self.appended += len(batch)
+                # One wake-up per BATCH_WAIT is enough: a woken writer waits that long before it reads
+                # the journal, so it also sees what was appended since.
+                if time.monotonic() - self._notified >= BATCH_WAIT or self._stop:
+                    self._notified = time.monotonic()
+                    self.notify()
+            if self._stop and not self.queue:
+                return
+
+    @staticmethod
+    def clean(record: CallRecord, blobs: list) -> tuple[CallRecord, list[bytes]]:
+        """Off the loop: what the journal gets of a call. Bodies are cut to ``max_body``, decoded (secrets
+        in a gzip body are only found decoded) and redacted; the record then says they are plain (no
+        encoding), so the writer never decodes them again. The call's own record stays as it came: a
+        batch the journal refused is cleaned again from it."""
+        if record.kind == "websocket":  # frames: no content-encoding, each bounded by mitmproxy
+            return redact_record(record), [redact_bytes(blob) for blob in blobs]
+        limit = record.max_body or None
+        changes: dict = {}
+        cuts, out = [], []
+        for index, blob in enumerate(blobs):
+            if index > 1:
+                out.append(redact_bytes(blob))
+                continue
+            role, peer = ("request", "upstream") if index == 0 else ("response", "client")
+            received = max(len(blob), record.received or 0) if index == 1 else len(blob)
+            if limit and len(blob) > limit:
+                blob = blob[:limit]
+            stream = index == 1 and record.kind == "sse"
+            blob, marks, problem, cut_decoded = decode_kept(
+                blob, getattr(record, f"{role}_encoding"), record.marks if stream else None, limit)
+            changes[f"{role}_encoding"] = None  # plain from here on
+            if stream:
+                changes["marks"] = marks
+            if problem:
+                changes[f"{role}_problem"] = problem
+            if received > (limit or received):
+                cuts.append(f"{role} truncated for recording: stepmill kept the first {limit} of its {received} "
+                            f"bytes (stepmill_max_body); the {peer} got every byte")
+            elif cut_decoded:
+                cuts.append(f"{role} truncated for recording: stepmill kept the first {limit} bytes of its "
+                            f"decoded body (stepmill_max_body); the {peer} got every byte")
+            out.append(redact_bytes(blob))
+        if cuts:
+            changes["truncated"] = cuts
+            changes["notes"] = list(record.notes) + cuts
+        return redact_record(dataclasses.replace(record, **changes)), out
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self.thread.join(timeout)
+
+    def status(self) -> dict:
+        delays = sorted(self.delays)
+        return {"in_memory": len(self.queue), "in_memory_bytes": self.memory, "dropped": self.dropped,
+                "journaled": self.appended, "journal_error": self.failing,
+                "journal_delay_ms": {"p50": round(delays[len(delays) // 2] * 1000, 3),
+                                     "p99": round(delays[int(len(delays) * 0.99)] * 1000, 3),
+                                     "max": round(delays[-1] * 1000, 3)} if delays else None}

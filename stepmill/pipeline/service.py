@@ -1,0 +1,96 @@
+"""The capture pipeline of one database, started and stopped as one piece by the proxy's addon.
+
+    event loop ──submit()──▶ handoff thread ──▶ journal ──▶ writer (a thread, or a process of its own) ──▶ store
+
+``submit``, ``handed_off`` and ``flushed`` are called on the event loop and never block it;
+everything else runs off it: the handoff and writer threads (or process), and ``status`` and
+``close``, which the addon calls from its control thread or at shutdown. The addon reaches the
+store's file only through here (and ``state_watch``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Executor
+
+from stepmill.errors import ConfigError
+from stepmill.store.db import Store
+from stepmill.pipeline.call_record import CallRecord
+from stepmill.pipeline.handoff import Handoff
+from stepmill.pipeline.journal import Journal
+from stepmill.pipeline.writer import PRIORITIES, ProcessWriter, ThreadWriter
+
+log = logging.getLogger("stepmill")
+
+WRITERS = ("process", "thread")  # where steps are parsed and written: a process of its own, or a proxy thread
+POLL = 0.02  # seconds between looks while ``flushed`` waits
+
+__all__ = ["PRIORITIES", "WRITERS", "Pipeline"]
+
+
+class Pipeline:
+    """The journal, the handoff thread and the writer of one database.
+
+    ``store`` is the pipeline's read-write store (opened first: it creates or migrates the file
+    before anyone writes); the control API may share it, from one thread.
+    """
+
+    def __init__(self, db_path: str, *, writer: str = "process", priority: str = "idle"):
+        if writer not in WRITERS:
+            raise ConfigError(f"a writer is one of {', '.join(WRITERS)}, not {writer!r}")
+        if priority not in PRIORITIES:
+            raise ConfigError(f"a writer priority is one of {', '.join(PRIORITIES)}, not {priority!r}")
+        self.db_path = db_path
+        self.writer_kind, self.priority = writer, priority
+        self.store = Store(db_path)
+        self.journal = Journal.create(db_path)
+        self.writer = ThreadWriter(db_path, self.journal) if writer == "thread" else \
+            ProcessWriter(db_path, self.journal, priority)
+        self.handoff = Handoff(self.journal, self.writer.notify)
+        self.submitted = 0  # calls handed over by the loop (changed on the loop only)
+
+    # -- on the event loop ----------------------------------------------------------------
+    def submit(self, record: CallRecord, blobs: list[bytes]) -> None:
+        """A finished call: O(1), no I/O (references to bytes the loop already has)."""
+        self.handoff.submit(record, blobs)
+        self.submitted += 1
+
+    def handed_off(self) -> int:
+        """Calls submitted that are in the journal now, or were dropped (memory full)."""
+        return self.handoff.appended + self.handoff.dropped
+
+    async def flushed(self, deadline: float, executor: Executor) -> bool:
+        """Waits, without blocking the loop, until every call submitted so far is in the journal and the
+        writer committed the journal up to where it then ended; False if ``time.monotonic()`` passed
+        ``deadline`` first. The store is read in ``executor`` (the thread that owns ``store``'s use)."""
+        target = self.submitted
+        while self.handed_off() < target and time.monotonic() < deadline:
+            await asyncio.sleep(POLL)
+        end = self.journal.end()
+        loop = asyncio.get_running_loop()
+        while time.monotonic() < deadline:
+            if await loop.run_in_executor(executor, lambda: self.journal.committed(self.store) >= end):
+                return True
+            await asyncio.sleep(POLL * 5)
+        return False
+
+    # -- off the event loop ---------------------------------------------------------------
+    def status(self) -> dict:
+        """The pipeline's state, for health and stats: writer, backlog in memory and in the journal."""
+        out = {"writer": self.writer_kind}
+        if self.writer_kind != "thread":
+            out["writer_priority"] = self.priority
+        out.update(self.handoff.status())
+        out["uncommitted_bytes"] = self.journal.backlog(self.journal.committed(self.store))
+        return out
+
+    def close(self) -> None:
+        """Drains the handoff and the writer; a journal not wholly committed stays for the next start."""
+        self.handoff.close()
+        self.writer.close()
+        if not self.journal.retire(self.store):
+            log.warning(f"stepmill: calls left in {self.journal.folder}; the next start commits them")
+        self.journal.release()
+        self.store.close()

@@ -1,0 +1,105 @@
+"""Steps as exported records: the JSONL export, the control API's step view and the trainer bridge."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from stepmill.errors import NotFound
+from stepmill.store import curation
+from stepmill.store.encoding import loads
+
+# Fields of one exported step, in order (the JSONL export and the control API use them).
+EXPORT_FIELDS = [
+    "step_id", "trajectory_id", "group_id", "parent_step_id", "step_index", "api", "transport", "host",
+    "model", "response_id", "messages", "tools", "completion", "finish_reason", "usage", "status", "error",
+    "ttft_ms", "duration_ms", "started_at", "channel", "policy_version", "reward",
+    "prompt_ids", "response_ids", "logprobs", "token_provenance",
+]
+
+
+class Export:
+    """One step, or the selected steps in capture order, as exported records; a part of ``Store``."""
+
+    def step(self, step_id: str, *, with_tokens: bool = True) -> dict:
+        rows = self.query(
+            "SELECT s.*, t.reward AS trajectory_reward FROM steps s"
+            " LEFT JOIN trajectories t ON t.id = s.trajectory_id WHERE s.id = ?", [step_id]
+        )
+        if not rows:
+            raise NotFound(step_id)
+        return self._export(rows[0], with_tokens=with_tokens)
+
+    def _export(self, row: dict, *, with_tokens: bool = True) -> dict:
+        request = self._blob(row["request_hash"]) or {}
+        record = {
+            "step_id": row["id"],
+            "trajectory_id": row["trajectory_id"],
+            "group_id": row["group_id"],
+            "parent_step_id": row["parent_step_id"],
+            "step_index": row["step_index"],
+            "api": row["api"],
+            "transport": row["transport"],
+            "host": row["host"],
+            "model": row["model"],
+            "response_id": row["response_id"],
+            "messages": self.messages(row["id"]),
+            "tools": request.get("tools"),
+            "completion": loads(row["completion"]),
+            "finish_reason": row["finish_reason"],
+            "usage": None if row["usage"] is None and row["input_tokens"] is None else {
+                "input_tokens": row["input_tokens"], "output_tokens": row["output_tokens"],
+                "cache_read_tokens": row["cache_read_tokens"], "cache_write_tokens": row["cache_write_tokens"],
+                "raw": loads(row["usage"]),
+            },
+            "status": row["status"],
+            "error": row["error"],
+            "ttft_ms": row["ttft_ms"],
+            "duration_ms": row["duration_ms"],
+            "started_at": row["started_at"],
+            "channel": row["channel"],
+            "policy_version": row["policy_version"],
+            "reward": row["reward"] if row["reward"] is not None else row.get("trajectory_reward"),
+            "token_provenance": row["token_provenance"] or "none",
+            "prompt_ids": None,
+            "response_ids": None,
+            "logprobs": None,
+        }
+        if with_tokens and row["prompt_len"] is not None:
+            prompt, response, logprobs = self.token_sequences(row["id"])
+            record["prompt_ids"] = prompt.tolist()
+            record["response_ids"] = response.tolist()
+            record["logprobs"] = None if logprobs is None else [float(x) for x in logprobs]
+        record["params"] = request.get("params")
+        record["metadata"] = loads(row["metadata"])
+        record["system_changed"] = None if row["system_changed"] is None else bool(row["system_changed"])
+        record["token_check"] = {
+            "consistency": row["consistency"],
+            "divergence_pos": row["divergence_pos"],
+            "divergence_reason": row["divergence_reason"],
+            "spliced_len": row["spliced_len"],
+            "fidelity": row["fidelity"],
+            "fidelity_detail": row["fidelity_detail"],
+            "tokenizer": row["tokenizer"],
+        }
+        return record
+
+    def iter_steps(self, where: str | None = None, params: Any = (), *, with_tokens: bool = True,
+                   gate: bool = False, group_id: str | None = None,
+                   trajectory_id: str | None = None) -> Iterator[dict]:
+        """Exported steps in capture order; ``where`` is a SQL condition on the steps table (alias s),
+        a user's (`--where`); ``group_id`` / ``trajectory_id`` keep one group's or one run's steps.
+        ``gate``: only what the curation gate lets through (see ``store/curation.py``)."""
+        sql = ("SELECT s.*, t.reward AS trajectory_reward FROM steps s"
+               " LEFT JOIN trajectories t ON t.id = s.trajectory_id")
+        conditions = [f"({where})"] if where else []
+        for column, value in (("group_id", group_id), ("trajectory_id", trajectory_id)):
+            if value is not None:  # bound by name, so a user's positional `?` parameters keep their places
+                params = {**params, f"_{column}": value} if isinstance(params, dict) else list(params) + [value]
+                conditions.append(f"s.{column} = :_{column}" if isinstance(params, dict) else f"s.{column} = ?")
+        if gate:
+            conditions.append(f"({curation.GATE_REASON}) IS NULL")
+        if conditions:
+            sql += " WHERE " + " AND ".join(conditions)
+        sql += " ORDER BY s.started_at, s.rowid"
+        for row in self.db.query(sql, params):
+            yield self._export(row, with_tokens=with_tokens)

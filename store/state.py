@@ -1,0 +1,41 @@
+"""Small named values of the database (the ``state`` table): the policy version, journal positions."""
+
+from __future__ import annotations
+
+JOURNAL_PREFIX = "journal:"  # a journal's committed position is kept under journal:<id>
+
+
+class State:
+    """Get and set ``state`` keys and the policy version; a part of ``Store``."""
+
+    def get_state(self, key: str, default: str | None = None) -> str | None:
+        row = self.db.conn.execute("SELECT value FROM state WHERE key = ?", [key]).fetchone()
+        return row[0] if row else default
+
+    def set_state(self, key: str, value: str | None) -> None:
+        """None removes the key. Inside ``batch()`` it joins that transaction (the writer commits a
+        journal position with the steps it read)."""
+        if self._batch is not None:
+            self._set_state(self.db.conn, key, value)
+            return
+        with self.write() as conn:
+            self._set_state(conn, key, value)
+
+    @staticmethod
+    def _set_state(conn, key: str, value: str | None) -> None:
+        if value is None:
+            conn.execute("DELETE FROM state WHERE key = ?", [key])
+        else:
+            conn.execute("INSERT OR REPLACE INTO state (key, value) VALUES (?, ?)", [key, value])
+
+    def journal_positions(self) -> dict[str, str]:
+        """Every journal's committed position, by state key (``journal:<id>``)."""
+        return {k: v for k, v in self.db.conn.execute(
+            "SELECT key, value FROM state WHERE key LIKE ?", [JOURNAL_PREFIX + "%"])}
+
+    def policy_version(self) -> str | None:
+        return self.get_state("policy_version")
+
+    def set_policy_version(self, version: str | int | None) -> None:
+        self.set_state("policy_version", None if version is None else str(version))
+

@@ -1,0 +1,119 @@
+"""Trajectories and their groups, the runner's registered runs, and each task's scoring fields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stepmill.errors import Conflict, NotFound
+from stepmill.store import curation
+from stepmill.store.assign import ensure_trajectory, set_trajectory_fields
+from stepmill.store.encoding import dumps, loads
+from stepmill.store.ids import new_id, now_iso
+
+
+class Trajectories:
+    """Start, change, complete and read trajectories; register runs; a part of ``Store``."""
+
+    def trajectory(self, trajectory_id: str) -> dict | None:
+        rows = self.query("SELECT * FROM trajectories WHERE id = ?", [trajectory_id])
+        if not rows:
+            return None
+        row = rows[0]
+        row["metadata"] = loads(row["metadata"])
+        row["step_count"] = self.db.conn.execute(
+            "SELECT count(*) FROM steps WHERE trajectory_id = ?", [trajectory_id]
+        ).fetchone()[0]
+        return row
+
+    def start_trajectory(self, *, trajectory_id=None, group_id=None, channel=None, metadata=None) -> dict:
+        trajectory_id = trajectory_id or new_id("t")
+        with self.write() as conn:
+            if conn.execute("SELECT 1 FROM trajectories WHERE id = ?", [trajectory_id]).fetchone():
+                raise Conflict(f"trajectory {trajectory_id!r} already exists")
+            ensure_trajectory(conn, trajectory_id, group_id=group_id, channel=channel, source="api",
+                              metadata=dumps(metadata), policy_version=self.policy_version(), created_at=now_iso())
+        return self.trajectory(trajectory_id)
+
+    def update_trajectory(self, trajectory_id: str, *, group_id=None, channel=None, metadata=None) -> dict:
+        with self.write() as conn:
+            row = conn.execute("SELECT metadata FROM trajectories WHERE id = ?", [trajectory_id]).fetchone()
+            if row is None:
+                raise NotFound(trajectory_id)
+            fields = {k: v for k, v in (("group_id", group_id), ("channel", channel)) if v is not None}
+            if fields:
+                set_trajectory_fields(conn, trajectory_id, fields)
+            if metadata is not None:
+                merged = {**(loads(row[0]) or {}), **metadata}
+                conn.execute("UPDATE trajectories SET metadata = ? WHERE id = ?", [dumps(merged), trajectory_id])
+        return self.trajectory(trajectory_id)
+
+    def complete_trajectory(self, trajectory_id: str, *, reward: float | None = None) -> dict:
+        with self.write() as conn:
+            if not conn.execute("SELECT 1 FROM trajectories WHERE id = ?", [trajectory_id]).fetchone():
+                raise NotFound(trajectory_id)
+            conn.execute("UPDATE trajectories SET status = 'complete', completed_at = ? WHERE id = ?",
+                         [now_iso(), trajectory_id])
+            if reward is not None:
+                curation.add_reward(conn, "trajectory", trajectory_id, reward, source="api", name="control API",
+                                    created_at=now_iso())
+        return self.trajectory(trajectory_id)
+
+    def completed_trajectories(self, where: str | None = None, params: Any = (), *,
+                               id_prefix: str | None = None) -> list[dict]:
+        """Rows of the completed trajectories, oldest first (``metadata`` as stored, JSON text).
+        ``where``: a user's SQL condition on the trajectories table (alias t); ``id_prefix``: only ids
+        that start with it (one rollout's runs)."""
+        condition = "t.status = 'complete'" + (f" AND ({where})" if where else "")
+        rows = self.query(f"SELECT t.* FROM trajectories t WHERE {condition} ORDER BY t.created_at", params)
+        return rows if id_prefix is None else [row for row in rows if row["id"].startswith(id_prefix)]
+
+    def trajectories_in_group(self, group_id: str) -> list[str]:
+        """Ids of the group's trajectories."""
+        return [row[0] for row in self.db.conn.execute("SELECT id FROM trajectories WHERE group_id = ?",
+                                                       [group_id])]
+
+    def unsuccessful_runs(self) -> list[str]:
+        """Ids of the runner's trajectories whose run crashed or timed out (``metadata.outcome`` not ok)."""
+        return [row[0] for row in self.db.conn.execute(
+            "SELECT id FROM trajectories WHERE json_extract(metadata, '$.outcome') != 'ok'")]
+
+    # -- registered runs ------------------------------------------------------------------
+    def register_run(self, trajectory_id: str, secret_hash: str) -> dict:
+        """The runner's run: its trajectory (which must exist) may now be written only with the secret."""
+        with self.write() as conn:
+            row = conn.execute("SELECT group_id, channel FROM trajectories WHERE id = ?", [trajectory_id]).fetchone()
+            if row is None:
+                raise NotFound(trajectory_id)
+            cursor = conn.execute(
+                "INSERT INTO run_credentials (trajectory_id, group_id, channel, secret_hash, created_at)"
+                " VALUES (?, ?, ?, ?, ?)", [trajectory_id, row[0], row[1], secret_hash, now_iso()])
+            # A trajectory nobody registered that already sits in this group (written before any run of
+            # it was registered) would keep the group open for ever: it moves to a group of its own.
+            for (foreign,) in conn.execute(
+                    "SELECT id FROM trajectories WHERE group_id = ? AND id NOT IN"
+                    " (SELECT trajectory_id FROM run_credentials)", [row[0]]).fetchall() if row[0] else []:
+                set_trajectory_fields(conn, foreign, {"group_id": f"{row[0]}~unregistered"})
+        return {"rowid": cursor.lastrowid, "trajectory_id": trajectory_id, "group_id": row[0], "channel": row[1],
+                "secret_hash": secret_hash}
+
+    def registered_runs(self, after_rowid: int = 0) -> list[dict]:
+        """Registrations newer than ``after_rowid``, oldest first (a later one replaces an earlier)."""
+        return self.query("SELECT rowid, trajectory_id, group_id, channel, secret_hash FROM run_credentials"
+                          " WHERE rowid > ? ORDER BY rowid", [after_rowid])
+
+    def registered_at(self, trajectory_id: str) -> str | None:
+        """When the run's latest attempt was registered (its steps start after), or None."""
+        row = self.db.conn.execute("SELECT max(created_at) FROM run_credentials WHERE trajectory_id = ?",
+                                   [trajectory_id]).fetchone()
+        return row[0] if row else None
+
+    # -- scoring fields: a task's answers and tests, apart from what agents can read ------------
+    def set_scoring_fields(self, trajectory_id: str, fields: dict) -> None:
+        with self.write() as conn:
+            conn.execute("INSERT OR REPLACE INTO scoring_fields (trajectory_id, fields) VALUES (?, ?)",
+                         [trajectory_id, dumps(fields)])
+
+    def scoring_fields(self, trajectory_id: str) -> dict:
+        row = self.db.conn.execute("SELECT fields FROM scoring_fields WHERE trajectory_id = ?",
+                                   [trajectory_id]).fetchone()
+        return (loads(row[0]) or {}) if row else {}

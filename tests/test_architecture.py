@@ -1,0 +1,192 @@
+"""The house rules, read from the source: which room may import which, and SQL only in the store.
+
+Rooms are packages (README: Architecture). A room imports its own modules, the foundation and
+the rooms below it, never one above; imports inside functions count too.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"addon": "stepmill.addon", "store": "stepmill.store", "trainer_bridge": "stepmill.trainer_bridge",
+           "stepmill": "stepmill"}
+
+# Room -> the modules it holds (longest prefix wins).
+ROOMS = {
+    "foundation": ("stepmill", "stepmill.errors", "stepmill.protocols", "stepmill.tags", "stepmill.auth",
+                   "stepmill.private_files", "stepmill.children", "stepmill.qwen_vocab"),
+    "store": ("stepmill.store",),
+    "pipeline": ("stepmill.pipeline",),
+    "api": ("stepmill.api",),
+    "addon": ("stepmill.addon",),
+    "rewards": ("stepmill.rewards",),
+    "bridge": ("stepmill.trainer_bridge",),
+    "ui": ("stepmill.ui",),
+    "client": ("stepmill.client",),
+    "agents": ("stepmill.agents",),
+    "runner": ("stepmill.runner",),
+    "simulated_llm": ("stepmill.simulated_llm",),
+    "proxy": ("stepmill.proxy_master",),
+    "demo": ("stepmill.demo",),
+    "cli": ("stepmill.cli",),
+}
+# Room -> the rooms it may import besides itself and the foundation. Nothing upward.
+MAY_IMPORT = {
+    "foundation": set(),
+    "store": set(),
+    "pipeline": {"store"},
+    "api": {"store", "pipeline"},
+    "addon": {"pipeline", "api"},  # never the store: the event loop hands records to the pipeline
+    "rewards": {"store"},
+    "bridge": {"store"},
+    "ui": {"store", "bridge", "rewards"},
+    "client": set(),
+    "agents": {"client"},
+    "runner": {"store", "rewards", "client"},
+    "simulated_llm": {"agents"},
+    "proxy": {"addon", "pipeline"},
+    "demo": set(ROOMS) - {"cli", "demo"},
+    "cli": set(ROOMS) - {"cli"},
+}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((package, *parts))] = path
+    return found
+
+
+def room_of(module: str) -> str | None:
+    best, best_len = None, -1
+    for room, prefixes in ROOMS.items():
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = room, len(prefix)
+    return best
+
+
+def imports(module: str, path: Path) -> list[tuple[int, str]]:
+    """(line, module imported) for every stepmill import in a file, relative ones resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # `from stepmill import tags` imports the module stepmill.tags
+            out += [(node.lineno, f"{target}.{alias.name}") for alias in node.names]
+    return [(line, name) for line, name in out if name == "stepmill" or name.startswith("stepmill.")]
+
+
+def test_every_module_belongs_to_a_room():
+    assert not [m for m in modules() if room_of(m) is None]
+
+
+def test_the_rooms_form_layers():
+    """The allowed imports have no cycle, so "above" and "below" mean something."""
+    done = set()
+
+    def visit(room, trail):
+        assert room not in trail, f"cycle: {' -> '.join(trail + [room])}"
+        if room in done:
+            return
+        for below in MAY_IMPORT[room]:
+            visit(below, trail + [room])
+        done.add(room)
+
+    for room in ROOMS:
+        visit(room, [])
+
+
+def test_no_room_imports_upward():
+    known = modules()
+    wrong = []
+    for module, path in known.items():
+        here = room_of(module)
+        for line, name in imports(module, path):
+            # `from pkg import name` names a module or an attribute; the module is the longest known prefix
+            target = name if name in known else name.rpartition(".")[0]
+            there = room_of(target)
+            if there is None or there == here or there == "foundation" or there in MAY_IMPORT[here]:
+                continue
+            wrong.append(f"{path.relative_to(ROOT)}:{line}: {here} imports {target} ({there})")
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+SQL = re.compile(r"\b(?:SELECT\b.+\bFROM|INSERT\s+(?:OR\s+\w+\s+)?INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM|PRAGMA\s+\w+"
+                 r"|CREATE\s+(?:UNIQUE\s+)?(?:TABLE|INDEX|VIEW|TRIGGER)|ALTER\s+TABLE|DROP\s+(?:TABLE|INDEX))\b", re.S)
+# Ways to hand SQL to a database from outside the store.
+SQL_CALLS = re.compile(r"\.(?:execute|executemany|executescript)\(|\bstore\.query\(|\.db\.conn\b|\bsqlite3\.connect\(")
+
+
+def docstrings(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                ids.add(id(first.value))
+    return ids
+
+
+def sql_outside_the_store() -> list[str]:
+    found = []
+    for module, path in modules().items():
+        if room_of(module) == "store":
+            continue
+        text = path.read_text()
+        tree = ast.parse(text, str(path))
+        skip = docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip \
+                    and SQL.search(node.value):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: SQL text {node.value[:60]!r}")
+        for number, line in enumerate(text.splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if SQL_CALLS.search(code):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:80]}")
+    return found
+
+
+def test_no_sql_outside_the_store():
+    found = sql_outside_the_store()
+    assert not found, "SQL outside store/:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("text", ["SELECT id FROM steps WHERE x = ?", "INSERT OR REPLACE INTO state (k) VALUES (?)",
+                                  "UPDATE consumption SET status = 'acked'", "PRAGMA data_version",
+                                  "DELETE FROM steps", "CREATE INDEX i ON steps (id)"])
+def test_the_sql_finder_finds_sql(text):
+    assert SQL.search(text)
+
+
+@pytest.mark.parametrize("text", ["Select the rows you want", "update the policy version", "s.status = 'ok'",
+                                  "select a model from the list"])
+def test_the_sql_finder_leaves_prose_alone(text):
+    assert not SQL.search(text)
+
+
+@pytest.mark.parametrize("folder", ["store", "addon", "trainer_bridge"])
+def test_a_folder_loads_only_under_its_stepmill_name(folder):
+    """From the repository root `import store` would load the same files a second time as another module."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", f"import {folder}"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode != 0 and f"import stepmill.{folder}" in result.stderr

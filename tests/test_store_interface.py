@@ -1,0 +1,182 @@
+"""The store's interface: what another backend must provide, and the methods callers use instead of SQL."""
+
+import inspect
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stepmill.errors import BadInput, Conflict, NotFound, StoreUnavailable
+from stepmill.store import StepRecord, Store
+from stepmill.store.interface import StoreInterface
+
+ROOT = Path(__file__).resolve().parent.parent
+USER = [{"role": "user", "content": "q"}]
+ANSWER = {"role": "assistant", "content": "a"}
+
+
+def _protocol_methods() -> dict:
+    return {name: value for name, value in vars(StoreInterface).items()
+            if inspect.isfunction(value) and not name.startswith("_")}
+
+
+def _parameters(function) -> list:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+
+def test_store_has_every_method_of_the_interface_with_the_same_parameters(tmp_path):
+    methods = _protocol_methods()
+    assert len(methods) > 40
+    for name, declared in methods.items():
+        assert hasattr(Store, name), f"Store has no {name}"
+        assert _parameters(getattr(Store, name)) == _parameters(declared), name
+    assert isinstance(Store(tmp_path / "i.db"), StoreInterface)
+
+
+def test_import_of_the_store_folder_under_another_name_fails_clearly():
+    done = subprocess.run([sys.executable, "-c", "import store"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "import stepmill.store, not store" in done.stderr
+
+
+def test_data_version_changes_when_another_connection_commits(tmp_path):
+    store, other = Store(tmp_path / "v.db"), Store(tmp_path / "v.db")
+    before = store.data_version()
+    assert store.data_version() == before
+    other.set_policy_version("2")
+    assert store.data_version() != before
+
+
+def test_checkpoints(tmp_path):
+    store = Store(tmp_path / "c.db")
+    store.manage_checkpoints()
+    assert store.db.conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+    store.record_step(StepRecord(api="openai.chat", messages=USER, completion=ANSWER))
+    assert store.checkpoint("PASSIVE") is True
+    assert store.checkpoint("TRUNCATE") is True
+    with pytest.raises(BadInput):
+        store.checkpoint("NOW; DROP TABLE steps")
+    reader = sqlite3.connect(tmp_path / "c.db", isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM steps").fetchone()  # holds a snapshot of the WAL
+    store.record_step(StepRecord(api="openai.chat", messages=USER, completion=ANSWER))
+    store.db.conn.execute("PRAGMA busy_timeout = 50")
+    assert store.checkpoint("TRUNCATE") is False
+    reader.execute("ROLLBACK")
+
+
+def test_set_state_joins_a_batch(tmp_path):
+    store = Store(tmp_path / "b.db")
+    with store.batch():
+        step_id = store.record_step(StepRecord(api="openai.chat", messages=USER, completion=ANSWER))
+        store.set_state("journal:x", "1:10")
+    assert Store(tmp_path / "b.db").get_state("journal:x") == "1:10"
+    assert store.trajectory_of_step(step_id)
+    with pytest.raises(RuntimeError), store.batch():
+        store.set_state("journal:x", "1:20")
+        raise RuntimeError("the batch fails")
+    assert store.get_state("journal:x") == "1:10"  # undone with the batch
+    assert store.journal_positions() == {"journal:x": "1:10"}
+    store.set_state("journal:x", None)
+    assert store.journal_positions() == {}
+
+
+def test_step_lookups(tmp_path):
+    store = Store(tmp_path / "l.db")
+    first = store.record_step(StepRecord(api="openai.chat", messages=USER, completion=ANSWER, response_id="r-1",
+                                         trajectory_id="t-1", prompt_ids=[1, 2], response_ids=[3],
+                                         token_provenance="exact"))
+    again = store.record_step(StepRecord(api="openai.chat", messages=USER + [ANSWER], completion=ANSWER,
+                                         response_id="r-1", trajectory_id="t-1", prompt_ids=[1, 2, 3, 4],
+                                         response_ids=[5], token_provenance="exact"))
+    assert store.step_for_response("r-1") == again
+    assert store.step_for_response("r-none") is None
+    assert store.trajectory_of_step(first) == "t-1"
+    assert store.trajectory_of_step("s-none") is None
+    assert store.last_step("t-1") == again
+    assert store.last_step("t-none") is None
+    assert sorted(store.step_ids("t-1")) == sorted([first, again])
+    # equal indexes: the later written is the last
+    late = store.record_step(StepRecord(api="openai.chat", messages=[{"role": "user", "content": "other"}],
+                                        trajectory_id="t-1", step_index=1))
+    assert store.last_step("t-1") == late
+    summary = store.step_summary(again)
+    assert summary == {"step_id": again, "trajectory_id": "t-1", "group_id": summary["group_id"],
+                       "parent_step_id": first, "step_index": 1, "consistency": "consistent",
+                       "divergence_pos": None, "divergence_reason": None}
+    with pytest.raises(NotFound):
+        store.step_summary("s-none")
+    assert store.token_layout(again) == {"token_provenance": "exact", "message_count": 2, "messages_base_len": 2}
+    with pytest.raises(NotFound):
+        store.token_layout("s-none")
+
+
+def test_steps_to_tokenize_never_selects_exact_ids(tmp_path):
+    store = Store(tmp_path / "k.db")
+    exact = store.record_step(StepRecord(api="openai.chat", messages=USER, completion=ANSWER, prompt_ids=[1],
+                                         response_ids=[2], token_provenance="exact"))
+    plain = store.record_step(StepRecord(api="openai.chat", messages=[{"role": "user", "content": "p"}],
+                                         completion=ANSWER))
+    store.record_step(StepRecord(api="openai.chat", messages=[{"role": "user", "content": "no answer"}]))
+    assert store.steps_to_tokenize() == [plain]
+    assert exact not in store.steps_to_tokenize("1 OR 1")
+    store.set_tokens(plain, [7], [8], provenance="rendered")
+    assert store.steps_to_tokenize() == []
+    assert store.steps_to_tokenize(redo=True) == [plain]
+    assert store.steps_to_tokenize("s.id = ?", [exact]) == []
+
+
+def test_errors_say_what_went_wrong(tmp_path):
+    with pytest.raises(StoreUnavailable, match="no stepmill database"):
+        Store(tmp_path / "missing.db", readonly=True)
+    store = Store(tmp_path / "e.db")
+    store.start_trajectory(trajectory_id="t-1")
+    with pytest.raises(Conflict, match="trajectory 't-1' already exists"):
+        store.start_trajectory(trajectory_id="t-1")
+    for call in (lambda: store.update_trajectory("t-none", channel="val"),
+                 lambda: store.complete_trajectory("t-none"),
+                 lambda: store.register_run("t-none", "hash"),
+                 lambda: store.add_reward("t-none", 1.0),
+                 lambda: store.add_review("t-none", "label", "good", reviewer="r"),
+                 lambda: store.curation("t-none"),
+                 lambda: store.step("s-none"),
+                 lambda: store.messages("s-none")):
+        with pytest.raises(NotFound):
+            call()
+    with pytest.raises(BadInput, match="a label is one of"):
+        store.add_review("t-1", "label", "fine", reviewer="r")
+    step_id = store.record_step(StepRecord(api="openai.chat", messages=USER, completion=ANSWER))
+    with pytest.raises(BadInput, match="logprobs has 1 values for 2 response ids"):
+        store.set_tokens(step_id, [1], [2, 3], [0.0], provenance="rendered")
+    with pytest.raises(BadInput, match="parent step 's-none' does not exist"):
+        store.record_step(StepRecord(api="openai.chat", messages=USER, parent_step_id="s-none"))
+    with pytest.raises(BadInput, match="status must be one of"):
+        store.record_step(StepRecord(api="openai.chat", messages=USER, status="weird"))
+    with pytest.raises(StoreUnavailable, match="was opened read-only"):
+        Store(tmp_path / "e.db", readonly=True).set_policy_version("3")
+
+
+def test_what_scoring_the_runner_and_the_demo_ask(tmp_path):
+    store = Store(tmp_path / "r.db")
+    for trajectory_id, agent, outcome in (("run-a-1", "a", "ok"), ("run-a-2", "b", "timeout"), ("other-1", "a", "ok")):
+        store.start_trajectory(trajectory_id=trajectory_id, group_id="grp",
+                               metadata={"agent": agent, "outcome": outcome})
+        store.record_step(StepRecord(api="openai.chat", messages=[{"role": "user", "content": trajectory_id}],
+                                     completion=ANSWER, trajectory_id=trajectory_id, usage={"output_tokens": 5},
+                                     is_last=True))
+    assert [row["id"] for row in store.completed_trajectories(id_prefix="run-a-")] == ["run-a-1", "run-a-2"]
+    assert [row["id"] for row in store.completed_trajectories("t.id = :id", {"id": "other-1"})] == ["other-1"]
+    assert store.rollout_totals("run-a-") == {"steps": 2, "output_tokens": 10}
+    assert store.rollout_totals("run-a_") == {"steps": 0, "output_tokens": 0}  # a prefix, not a pattern
+    store.add_trajectory_rewards([("run-a-1", 1.0, None), ("run-a-2", None, {"error": "boom"})], source="rule",
+                                 name="math")
+    assert store.rewarded_trajectories("math") == {"run-a-1"}
+    assert store.trajectory("run-a-1")["reward"] == 1.0
+    assert sorted(store.trajectories_in_group("grp")) == ["other-1", "run-a-1", "run-a-2"]
+    assert store.unsuccessful_runs() == ["run-a-2"]
+    by_agent = {row["agent"]: row for row in store.steps_by_agent()}
+    assert by_agent["a"]["runs"] == 2 and by_agent["a"]["output_tokens"] == 10
+    assert store.rewards_by_agent() == [{"agent": "a", "n": 1, "mean": 1.0, "right": 1}]
+    assert store.group_reward_ranges() == [{"group_id": "grp", "n": 3, "lo": 1.0, "hi": 1.0}]
