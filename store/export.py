@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from stepmill.errors import NotFound
+from stepmill.errors import BadInput, NotFound
 from stepmill.store import curation
 from stepmill.store.encoding import loads
 
@@ -84,22 +84,57 @@ class Export:
         return record
 
     def iter_steps(self, where: str | None = None, params: Any = (), *, with_tokens: bool = True,
-                   gate: bool = False, group_id: str | None = None,
-                   trajectory_id: str | None = None) -> Iterator[dict]:
+                   gate: bool = False, group_id: str | None = None, trajectory_id: str | None = None,
+                   rowids: tuple[int, int] | None = None) -> Iterator[dict]:
         """Exported steps in capture order; ``where`` is a SQL condition on the steps table (alias s),
-        a user's (`--where`); ``group_id`` / ``trajectory_id`` keep one group's or one run's steps.
-        ``gate``: only what the curation gate lets through (see ``store/curation.py``)."""
+        a user's (`--where`); ``group_id`` / ``trajectory_id`` keep one group's or one run's steps;
+        ``rowids`` a shard of ``step_shards``. ``gate``: only what the curation gate lets through
+        (see ``store/curation.py``)."""
+        condition, params = _selection(where, params, gate, group_id, trajectory_id, rowids)
         sql = ("SELECT s.*, t.reward AS trajectory_reward FROM steps s"
-               " LEFT JOIN trajectories t ON t.id = s.trajectory_id")
-        conditions = [f"({where})"] if where else []
-        for column, value in (("group_id", group_id), ("trajectory_id", trajectory_id)):
-            if value is not None:  # bound by name, so a user's positional `?` parameters keep their places
-                params = {**params, f"_{column}": value} if isinstance(params, dict) else list(params) + [value]
-                conditions.append(f"s.{column} = :_{column}" if isinstance(params, dict) else f"s.{column} = ?")
-        if gate:
-            conditions.append(f"({curation.GATE_REASON}) IS NULL")
-        if conditions:
-            sql += " WHERE " + " AND ".join(conditions)
-        sql += " ORDER BY s.started_at, s.rowid"
+               f" LEFT JOIN trajectories t ON t.id = s.trajectory_id{condition} ORDER BY s.started_at, s.rowid")
         for row in self.db.query(sql, params):
             yield self._export(row, with_tokens=with_tokens)
+
+    def step_shards(self, rows: int, where: str | None = None, params: Any = (), *,
+                    gate: bool = False) -> list[tuple[int, int]]:
+        """The steps ``iter_steps`` selects, cut into rowid ranges of at most ``rows`` of them each
+        (``iter_steps(..., rowids=shard)`` reads one), so that readers can share a file's steps."""
+        if rows < 1:
+            raise BadInput("a shard holds at least one step")
+        condition, params = _selection(where, params, gate, None, None, None)
+        shards, first, count, last = [], None, 0, None
+        for (rowid,) in self.db.execute(
+                "SELECT s.rowid FROM steps s LEFT JOIN trajectories t ON t.id = s.trajectory_id"
+                f"{condition} ORDER BY s.rowid", params):
+            first = rowid if first is None else first
+            count, last = count + 1, rowid
+            if count == rows:
+                shards.append((first, last))
+                first, count = None, 0
+        if count:
+            shards.append((first, last))
+        return shards
+
+
+def _selection(where: str | None, params: Any, gate: bool, group_id: str | None, trajectory_id: str | None,
+               rowids: tuple[int, int] | None) -> tuple[str, Any]:
+    """The WHERE clause (with its leading space, or empty) and parameters of a selection of steps: the
+    caller's condition first, then ours, bound by name where the caller's parameters are named."""
+    conditions = [f"({where})"] if where else []
+    named = isinstance(params, dict)
+    params = dict(params) if named else list(params)
+    for name, column, value in (("_group", "s.group_id", group_id), ("_trajectory", "s.trajectory_id", trajectory_id),
+                                ("_from", "s.rowid >=", None if rowids is None else rowids[0]),
+                                ("_to", "s.rowid <=", None if rowids is None else rowids[1])):
+        if value is None:
+            continue
+        operator = "" if column.endswith("=") else " ="
+        conditions.append(f"{column}{operator} :{name}" if named else f"{column}{operator} ?")
+        if named:
+            params[name] = value
+        else:
+            params.append(value)
+    if gate:
+        conditions.append(f"({curation.GATE_REASON}) IS NULL")
+    return (" WHERE " + " AND ".join(conditions) if conditions else ""), params

@@ -127,8 +127,11 @@ class StoreInterface(Protocol):
     def step(self, step_id: str, *, with_tokens: bool = True) -> dict: ...
 
     def iter_steps(self, where: str | None = None, params: Any = (), *, with_tokens: bool = True,
-                   gate: bool = False, group_id: str | None = None,
-                   trajectory_id: str | None = None) -> Iterator[dict]: ...
+                   gate: bool = False, group_id: str | None = None, trajectory_id: str | None = None,
+                   rowids: tuple[int, int] | None = None) -> Iterator[dict]: ...
+
+    def step_shards(self, rows: int, where: str | None = None, params: Any = (), *,
+                    gate: bool = False) -> list[tuple[int, int]]: ...
 
     # -- curation -------------------------------------------------------------------------------
     def add_reward(self, target: str, value: float, *, source: str = "api", name: str | None = None,

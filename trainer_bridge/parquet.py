@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 from stepmill import __version__
 from stepmill.private_files import private_dir, private_opener
@@ -32,7 +32,8 @@ def _message(m: dict) -> dict:
             "tool_call_id": m.get("tool_call_id"), "reasoning_content": m.get("reasoning_content")}
 
 
-def _schema(flavour: str):
+def schema(flavour: str):
+    """The Arrow schema of a flavour's rows."""
     import pyarrow as pa
 
     meta = [("step_id", pa.string()), ("trajectory_id", pa.string()), ("uid", pa.string()),
@@ -47,27 +48,10 @@ def _schema(flavour: str):
                              ("messages", pa.list_(message))])
 
 
-def export_parquet(store: Store, folder: str | Path, *, flavour: str = "tokens", where: str | None = None,
-                   params: Any = (), gate: bool = True, shard_rows: int = 50_000) -> dict:
-    """Write the shards and the manifest; returns the manifest."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    if flavour not in FLAVOURS:
-        raise ValueError(f"flavour must be one of {FLAVOURS}")
-    folder = private_dir(folder)
-    schema = _schema(flavour)
-    report, rows, files, step_ids = Counter(), [], [], []
-
-    def flush():
-        if rows:
-            name = f"part-{len(files):05d}.parquet"
-            with open(folder / name, "wb", opener=private_opener) as out:  # owner only, like the database
-                pq.write_table(pa.Table.from_pylist(rows, schema=schema), out)
-            files.append({"file": name, "rows": len(rows)})
-            rows.clear()
-
-    for step in store.iter_steps(where, params, with_tokens=flavour == "tokens", gate=gate):
+def export_rows(steps: Iterable[dict], flavour: str, report: Counter | None = None) -> Iterator[dict]:
+    """Exported steps as a flavour's rows; steps the flavour cannot use are counted in ``report``."""
+    report = Counter() if report is None else report
+    for step in steps:
         row = {"step_id": step["step_id"], "trajectory_id": step["trajectory_id"], "uid": step["group_id"],
                "step_index": step["step_index"], "policy_version": step["policy_version"], "reward": step["reward"],
                "model": step["model"], "channel": step["channel"]}
@@ -84,15 +68,40 @@ def export_parquet(store: Store, folder: str | Path, *, flavour: str = "tokens",
             prompt = [_message(m) for m in step["messages"]]
             completion = [_message(step["completion"])]
             row.update(prompt=prompt, completion=completion, messages=prompt + completion)
+        yield row
+
+
+def export_parquet(store: Store, folder: str | Path, *, flavour: str = "tokens", where: str | None = None,
+                   params: Any = (), gate: bool = True, shard_rows: int = 50_000) -> dict:
+    """Write the shards and the manifest; returns the manifest."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if flavour not in FLAVOURS:
+        raise ValueError(f"flavour must be one of {FLAVOURS}")
+    folder = private_dir(folder)
+    row_schema = schema(flavour)
+    report, rows, files, step_ids = Counter(), [], [], []
+
+    def flush():
+        if rows:
+            name = f"part-{len(files):05d}.parquet"
+            with open(folder / name, "wb", opener=private_opener) as out:  # owner only, like the database
+                pq.write_table(pa.Table.from_pylist(rows, schema=row_schema), out)
+            files.append({"file": name, "rows": len(rows)})
+            rows.clear()
+
+    for row in export_rows(store.iter_steps(where, params, with_tokens=flavour == "tokens", gate=gate), flavour,
+                           report):
         rows.append(row)
-        step_ids.append(step["step_id"])
+        step_ids.append(row["step_id"])
         if len(rows) >= shard_rows:
             flush()
     flush()
     manifest = {"stepmill": __version__, "created_at": now_iso(), "flavour": flavour, "filters": {
         "where": where, "params": params if isinstance(params, dict) else list(params), "gate": gate},
         "gate": store.gate_counts(where, params), "left_out": dict(report), "rows": len(step_ids),
-        "files": files, "schema": schema.to_string(), "step_ids": step_ids}
+        "files": files, "schema": row_schema.to_string(), "step_ids": step_ids}
     with open(folder / "manifest.json", "w", opener=private_opener) as out:
         out.write(json.dumps(manifest, indent=1, default=str))
     return manifest

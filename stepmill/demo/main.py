@@ -86,7 +86,7 @@ for name in ("tokenizer.json", "tokenizer_config.json"):
 def vllm_python() -> Path | None:
     """The engine venv's interpreter: ``$STEPMILL_VLLM_PYTHON``, or .engines/vllm beside the project."""
     configured = os.environ.get("STEPMILL_VLLM_PYTHON")
-    path = Path(configured) if configured else Path(__file__).resolve().parent.parent / ".engines" / "vllm" / "bin" / "python"
+    path = Path(configured) if configured else Path(__file__).resolve().parents[2] / ".engines" / "vllm" / "bin" / "python"
     return path if path.exists() else None
 
 

@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import stepmill
 from stepmill.errors import ConfigError
 
 MODES = ("auto", "sandbox", "user", "container", "none")
@@ -128,7 +129,8 @@ def check_user_mode(dataset: str) -> None:
 
 def code_paths() -> list[Path]:
     """What runs need to start at all: the interpreter, its environment and stepmill's own code."""
-    package = Path(__file__).resolve().parent
+    # The folder that holds the stepmill package: in a checkout that is the project, addon/ and store/ too.
+    package = Path(stepmill.__file__).resolve().parent
     return sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), package.parent})
 
 
