@@ -61,6 +61,7 @@ except ImportError:  # the coordinator is optional: stepmill on one machine neve
 ENV = "STEPMILL_COORDINATOR"
 SCHEMES = ("postgresql", "postgres")
 MAX_ID = 256
+DEFAULT_NODE_TIMEOUT = 120.0
 INT64 = (-(1 << 63), (1 << 63) - 1)
 # One advisory lock key for migrations, so two processes connecting first at once apply them once.
 MIGRATION_LOCK = 0x5374_6570_6D69_6C6C & INT64[1]
@@ -229,12 +230,15 @@ class Coordinator:
     """One connection to the fleet's PostgreSQL; each method is one transaction (thread-safe, not fork-safe:
     each process opens its own)."""
 
-    def __init__(self, url: str | None = None, *, node_timeout_s: float = 120.0, retry_s: float = 15.0,
+    def __init__(self, url: str | None = None, *, node_timeout_s: float | None = None, retry_s: float = 15.0,
                  connect_timeout_s: int = 5):
+        """``node_timeout_s``: how long a node may be silent before its groups count as lost; None: the
+        fleet's setting (``set_node_timeout``), else 120 s."""
         if psycopg is None:
             raise ConfigError("the fleet's coordinator needs psycopg 3: pip install 'stepmill[fleet]'")
         self._url = _checked_url(url)
-        self.node_timeout_s = _seconds(node_timeout_s, "node_timeout_s")
+        self.node_timeout_s = DEFAULT_NODE_TIMEOUT if node_timeout_s is None else \
+            _seconds(node_timeout_s, "node_timeout_s")
         self.retry_s = max(0.0, float(retry_s))
         self._connect_timeout = max(1, int(connect_timeout_s))
         self._conn = None
@@ -242,6 +246,8 @@ class Coordinator:
         self.reconnects = 0  # connections lost and opened again (PostgreSQL restarted, a network cut)
         self._lock = threading.Lock()
         self._run(lambda cur: None)  # connect (and migrate) now: a wrong address shows at once
+        if node_timeout_s is None and self._setting("node_timeout_s") is not None:
+            self.node_timeout_s = float(self._setting("node_timeout_s"))
 
     @property
     def url(self) -> str:
@@ -325,6 +331,14 @@ class Coordinator:
             "SELECT id, serve_url, extract(epoch FROM heartbeat_at)::float8 AS last_heartbeat,"
             " extract(epoch FROM now() - heartbeat_at)::float8 AS silent_s FROM stepmill.nodes ORDER BY id").fetchall())
         return [{**row, "alive": row["silent_s"] <= self.node_timeout_s} for row in rows]
+
+    def runs_to_report(self, node_id: str) -> list[str]:
+        """Ids of the node's runs not yet reported finished, committed and scored (what a node still has to
+        say about its file)."""
+        _id(node_id, "a node id")
+        return [row["id"] for row in self._run(lambda cur: cur.execute(
+            "SELECT id FROM stepmill.runs WHERE node_id = %s AND NOT (finished AND committed AND scored) ORDER BY id",
+            [node_id]).fetchall())]
 
     def register_group(self, group_id: str, size: int, *, channel: str = "train") -> None:
         """A group that is ready once it has ``size`` runs, all finished, committed and scored. Registering
@@ -477,6 +491,14 @@ class Coordinator:
         if versions is not None and (isinstance(versions, bool) or not isinstance(versions, int) or versions < 0):
             raise BadInput(f"max_staleness must be a non-negative integer or None, got {versions!r:.40}")
         self._set("max_staleness", None if versions is None else str(versions))
+
+    def set_node_timeout(self, seconds: float | None) -> None:
+        """The fleet's node timeout, for every process that opens the coordinator without its own from now
+        (None: back to 120 s); this process's too."""
+        if seconds is not None:
+            seconds = _seconds(seconds, "node_timeout_s")
+        self._set("node_timeout_s", None if seconds is None else repr(float(seconds)))
+        self.node_timeout_s = DEFAULT_NODE_TIMEOUT if seconds is None else seconds
 
     # --- claims -----------------------------------------------------------------------------------------
 

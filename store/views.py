@@ -65,6 +65,35 @@ def trajectory_counts(source: Source) -> dict:
     return dict(zip(["total", "complete", "scored", "groups"], row))
 
 
+def holds(source: Source, kind: str, item_id: str) -> bool:
+    """Whether the file holds the step, trajectory or group (a page of several files finds its file so)."""
+    sql = {"steps": "SELECT 1 FROM steps WHERE id = ?", "trajectories": "SELECT 1 FROM trajectories WHERE id = ?",
+           "groups": "SELECT 1 FROM trajectories WHERE group_id = ? LIMIT 1"}[kind]
+    return _connection(source).execute(sql, [item_id]).fetchone() is not None
+
+
+# -- a node of the fleet: what its file says of the runs a runner registered on it -----------------------
+# One row per registered run (its latest registration), with its group's size on this node: the runner
+# registers every run of a rollout before any starts, so once one is complete the count is whole.
+REGISTERED_RUNS = """
+SELECT t.id AS trajectory_id, t.group_id, t.channel, t.status = 'complete' AS complete,
+  t.reward IS NOT NULL AS scored, t.policy_version,
+  (SELECT count(DISTINCT rc2.trajectory_id) FROM run_credentials rc2 JOIN trajectories t2 ON t2.id = rc2.trajectory_id
+   WHERE t2.group_id = t.group_id) AS group_size
+FROM trajectories t WHERE t.id IN (SELECT trajectory_id FROM run_credentials) AND t.group_id IS NOT NULL
+ORDER BY t.created_at, t.id
+"""
+
+
+def registered_runs(source: Source) -> list[dict]:
+    """The runs registered in this file: trajectory_id, group_id, channel, complete, scored, policy_version,
+    group_size (the group's registered runs here)."""
+    rows = _dicts(_connection(source), REGISTERED_RUNS)
+    for row in rows:
+        row["complete"], row["scored"] = bool(row["complete"]), bool(row["scored"])
+    return rows
+
+
 def steps_by_provenance(source: Source) -> dict:
     return dict(_connection(source).execute("SELECT token_provenance, count(*) FROM steps GROUP BY 1").fetchall())
 

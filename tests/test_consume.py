@@ -99,7 +99,7 @@ def test_a_remote_trainer_pulls_over_http(proxy, marker):
 
     import pytest
 
-    from stepmill.trainer_bridge.serve import RemoteConsumer
+    from stepmill.trainer_bridge.serve import NodeConsumer
 
     from .conftest import STEPMILL, free_port, wait_until
 
@@ -119,7 +119,7 @@ def test_a_remote_trainer_pulls_over_http(proxy, marker):
                 return False
 
         wait_until(up, timeout=30, what="stepmill serve")
-        trainer = RemoteConsumer(url, "remote-0", confdir=str(proxy.confdir), n=2, channel=channel)
+        trainer = NodeConsumer(url, "remote-0", confdir=str(proxy.confdir), n=2, channel=channel)
         batches = list(trainer)  # iterating acknowledges each batch as the next is asked for
         assert [b.meta["group_id"] for b in batches] == [f"{marker}-remote"]
         assert batches[0].tensors["input_ids"].shape == (2, 6)
@@ -140,7 +140,7 @@ def test_a_remote_trainer_pulls_over_http(proxy, marker):
             loaded = list(torch.utils.data.DataLoader(trainer.as_torch_dataset(), batch_size=None))
             assert len(loaded) == 1 and loaded[0]["input_ids"].shape == (2, 6)
         with pytest.raises(urllib.error.HTTPError) as anonymous:
-            RemoteConsumer(url, "intruder", token="wrong", n=2, channel=channel).claim()
+            NodeConsumer(url, "intruder", token="wrong", n=2, channel=channel).claim()
         assert anonymous.value.code == 401
     finally:
         server.terminate()

@@ -13,6 +13,8 @@ import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -533,6 +535,11 @@ def test_a_node_that_stops_heartbeating_has_its_groups_reported_not_handed_out(u
         assert sorted(c.group_id for c in fleet.claim("trainer", 10, 60)) == ["a1", "a2"]
         assert fleet.claim("trainer", 10, 60) == []  # not handed out, not dropped
         assert {n["id"]: n["alive"] for n in fleet.nodes()} == {"node-a": True, "node-b": False}
+        fleet.set_node_timeout(3.0)  # what every other reader of the coordinator (the CLI here) goes by
+        shown = subprocess.run([sys.executable, "-m", "stepmill.cli", "fleet"], capture_output=True, text=True,
+                               env={**os.environ, "STEPMILL_COORDINATOR": url}, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert "node node-b: SILENT" in shown.stdout and "lost: group b1 on node node-b" in shown.stdout
 
         fleet.heartbeat("node-b")  # the node comes back: its groups are handed out as before
         assert fleet.lost_groups() == []

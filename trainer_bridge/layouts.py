@@ -122,6 +122,47 @@ def _step_batch(rows: list, report: Counter, pad_id: int) -> Batch:
     return Batch(tensors, meta, report)
 
 
+def concat_step_batches(batches: list[Batch], pad_id: int = 0) -> Batch:
+    """Step batches (of one group fetched from several nodes) as one: prompts re-padded on the left,
+    responses on the right, the joined arrays built again; metadata and counts added up."""
+    batches = [b for b in batches if b.tensors]
+    if len(batches) <= 1:
+        return batches[0] if batches else Batch({}, {"step_id": []})
+    p = max((b.tensors["prompts"].shape[1] for b in batches), default=0)
+    r = max((b.tensors["responses"].shape[1] for b in batches), default=0)
+
+    def padded(array, width, value, left):
+        missing = width - array.shape[1]
+        return np.pad(array, ((0, 0), (missing, 0) if left else (0, missing)), constant_values=value)
+
+    parts: dict[str, list] = {k: [] for k in ("prompts", "prompt_mask", "responses", "response_mask",
+                                              "rollout_log_probs", "token_level_scores")}
+    meta: dict[str, list] = {}
+    report: Counter = Counter()
+    for b in batches:
+        t, width = b.tensors, b.tensors["prompts"].shape[1]
+        parts["prompts"].append(padded(t["prompts"], p, pad_id, True))
+        parts["prompt_mask"].append(padded(t["attention_mask"][:, :width], p, 0, True))
+        parts["responses"].append(padded(t["responses"], r, pad_id, False))
+        for name in ("response_mask", "rollout_log_probs", "token_level_scores"):
+            parts[name].append(padded(t[name], r, 0, False))
+        for key, values in b.meta.items():
+            if isinstance(values, list):
+                meta.setdefault(key, []).extend(values)
+            else:
+                meta[key] = values
+        report.update(b.report)
+    joined = {name: np.concatenate(arrays) for name, arrays in parts.items()}
+    attention_mask = np.concatenate([joined.pop("prompt_mask"), joined["response_mask"]], axis=1)
+    tensors = {"prompts": joined["prompts"], "responses": joined["responses"],
+               "input_ids": np.concatenate([joined["prompts"], joined["responses"]], axis=1),
+               "attention_mask": attention_mask,
+               "position_ids": np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None),
+               "response_mask": joined["response_mask"], "rollout_log_probs": joined["rollout_log_probs"],
+               "token_level_scores": joined["token_level_scores"]}
+    return Batch(tensors, meta, report)
+
+
 @dataclass
 class Row:
     trajectory_id: str

@@ -3,10 +3,14 @@
     POST /v1/claim {consumer, n?, channel?, lease_seconds?, max_staleness?}
          → 200 a safetensors file (the batch's arrays; row metadata and counts in its metadata), or 204
     POST /v1/ack   {consumer, group_id} → 200
+    GET  /v1/groups/{group_id}/batch?run=T1&run=T2&max_prompt_length=…&max_response_length=…&overlong=…&pad_id=…
+         → 200 the group's gated steps (those of the named runs, all of them without ``run``) as one
+         batch, the step layout of ``Consumer``; 404 when a named run is not in this file. The fleet's
+         consumer (``remote.RemoteConsumer``) claims through the coordinator and fetches here.
     GET  /v1/health
 
 Every call but health needs the write token (``Authorization: Bearer``), as the control API does.
-On the trainer's side, ``RemoteConsumer`` (below) is the same iterator as ``Consumer``.
+On the trainer's side, ``NodeConsumer`` (below) is the same iterator as ``Consumer``.
 """
 
 from __future__ import annotations
@@ -16,18 +20,53 @@ import struct
 import threading
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import numpy as np
 
 from stepmill.auth.token import bearer_matches
-from stepmill.errors import Conflict, NotFound
+from stepmill.errors import BadInput, Conflict, NotFound
 from stepmill.protocols.http_json import send_body, send_json
 from stepmill.store import Store
 
 from stepmill.trainer_bridge.consume import Consumer, acknowledging
-from stepmill.trainer_bridge.layouts import Batch
+from stepmill.trainer_bridge.layouts import OVERLONG, Batch, step_batches
 
 CLAIM_FIELDS = {"consumer", "n", "channel", "lease_seconds", "max_staleness"}
+# The step layout's options a group's batch may be asked with (query parameters), and their types.
+LAYOUT_FIELDS = {"max_prompt_length": int, "max_response_length": int, "overlong": str, "pad_id": int}
+
+
+def layout_options(query: dict[str, list[str]]) -> dict:
+    """The layout options of a batch request's query, checked (``BadInput`` names a bad one)."""
+    options = {}
+    for name, values in query.items():
+        if name == "run":
+            continue
+        kind = LAYOUT_FIELDS.get(name)
+        if kind is None:
+            raise BadInput(f"unknown parameter {name!r}")
+        try:
+            options[name] = kind(values[-1])
+        except ValueError:
+            raise BadInput(f"{name} must be a whole number") from None
+    if options.get("overlong", "drop") not in OVERLONG:
+        raise BadInput(f"overlong must be one of {OVERLONG}")
+    return options
+
+
+def group_batch(store: Store, group_id: str, runs: list[str], **layout) -> Batch:
+    """The group's gated steps (only the named runs' when ``runs`` is not empty) as one step batch."""
+    if runs:
+        missing = sorted(set(runs) - set(store.trajectories_in_group(group_id)))
+        if missing:
+            raise NotFound(f"run(s) {', '.join(missing[:5])} of group {group_id!r} are not in this node's file")
+    where = f"s.trajectory_id IN ({', '.join('?' * len(runs))})" if runs else None
+    batches = list(step_batches(store, group_id=group_id, where=where, params=list(runs),
+                                **{"batch_size": 1 << 30, **layout}))
+    batch = batches[0] if batches else Batch({}, {"step_id": []})
+    batch.meta["group_id"] = group_id
+    return batch
 
 
 def batch_bytes(batch: Batch) -> bytes:
@@ -63,9 +102,20 @@ def make_server(db_path: str, host: str, port: int, token: str) -> ThreadingHTTP
             send_json(self, status, {"error": message})
 
         def do_GET(self):
-            if self.path.rstrip("/") == "/v1/health":
+            url = urlsplit(self.path)
+            if url.path.rstrip("/") == "/v1/health":
                 return self._answer(200, b'{"ok": true}')
-            return self._error(404, f"no endpoint {self.path}")
+            parts = url.path.split("/")
+            if len(parts) != 5 or parts[:3] != ["", "v1", "groups"] or parts[4] != "batch" or not parts[3]:
+                return self._error(404, f"no endpoint {url.path}")
+            if not bearer_matches(self.headers.get("Authorization"), token):
+                return self._error(401, "needs the write token: Authorization: Bearer <token>")
+            query = parse_qs(url.query, keep_blank_values=True)
+            try:
+                batch = group_batch(self._store(), unquote(parts[3]), query.get("run", []), **layout_options(query))
+            except (BadInput, NotFound) as exc:
+                return self._error(exc.status, str(exc))
+            return self._answer(200, batch_bytes(batch), "application/octet-stream")
 
         def do_POST(self):
             if not bearer_matches(self.headers.get("Authorization"), token):
@@ -102,8 +152,9 @@ def make_server(db_path: str, host: str, port: int, token: str) -> ThreadingHTTP
     return ThreadingHTTPServer((host, port), Handler)
 
 
-class RemoteConsumer:
-    """``Consumer`` over HTTP: ``for batch in RemoteConsumer(url, "trainer-0", n=8): …; .ack(batch)``."""
+class NodeConsumer:
+    """``Consumer`` of one node over HTTP: ``for batch in NodeConsumer(url, "trainer-0", n=8): …; .ack(batch)``
+    (a fleet's trainers use ``remote.RemoteConsumer``, which finds the node of each group)."""
 
     def __init__(self, url: str, name: str, *, token: str | None = None, confdir: str | None = None,
                  timeout: float = 120, **params):
@@ -146,4 +197,4 @@ class RemoteConsumer:
         return Stream()
 
 
-__all__ = ["make_server", "RemoteConsumer", "batch_bytes", "batch_from_bytes"]
+__all__ = ["make_server", "NodeConsumer", "batch_bytes", "batch_from_bytes", "group_batch"]

@@ -1,5 +1,5 @@
 """The ``stepmill`` command. Each command parses its options, calls the room that does the work and
-prints the result; the commands live by what they are about (capture, data, curate, runs) and all
+prints the result; the commands live by what they are about (capture, data, curate, runs, fleet) and all
 stand at the top level (``stepmill export``)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import click
 
 from stepmill import __version__
-from stepmill.cli import capture, curate, data, runs
+from stepmill.cli import capture, curate, data, fleet, runs
 from stepmill.errors import StepmillError
 
 __all__ = ["main"]
@@ -29,6 +29,6 @@ def main():
     """stepmill: agents' LLM traffic in, training-ready RL step records out."""
 
 
-for _command in (*capture.COMMANDS, *data.COMMANDS, *curate.COMMANDS, *runs.COMMANDS):
+for _command in (*capture.COMMANDS, *data.COMMANDS, *curate.COMMANDS, *runs.COMMANDS, *fleet.COMMANDS):
     main.add_command(_command)
 del _command

@@ -102,28 +102,35 @@ def reviewer(db, name, url):
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@db_option
+@click.option("--db", "dbs", multiple=True, default=("stepmill.db",), show_default=True, envvar="STEPMILL_DB",
+              type=click.Path(dir_okay=False), help="SQLite file holding the steps; repeat it to browse several "
+              "(a fleet's nodes' files: copies, or a shared filesystem).")
 @address_options(8001)
 @click.argument("datasette_args", nargs=-1, type=click.UNPROCESSED)
-def ui(db, port, host, datasette_args):
+def ui(dbs, port, host, datasette_args):
     """Browse, review and curate the steps in Datasette.
 
     It prints a one-time sign-in link for you; nobody reads or writes without signing in, on
     localhost too (agents must not read answers or change rewards). Others sign in with a reviewer
-    link (`stepmill reviewer NAME`).
+    link (`stepmill reviewer NAME`). With several --db files (one per node), each page reads the
+    file that holds its id; with STEPMILL_COORDINATOR set, the lifecycle page shows the fleet.
     """
     from datasette.cli import cli as datasette_cli
 
     from stepmill.store import Store
     from stepmill.ui.settings import serve_args
 
-    Store(db).close()  # create or migrate the file first, so Datasette sees the full schema
+    for db in dbs:
+        if not os.path.exists(db) or os.access(db, os.W_OK):
+            Store(db).close()  # create or migrate the file first, so Datasette sees the full schema
+        else:
+            Store(db, readonly=True).close()  # a read-only copy: read as it is (reviews there are refused)
 
     click.echo("stepmill ui: nothing is shown without signing in; yours is the one-time link below "
                "(keep it to yourself), reviewers' come from `stepmill reviewer NAME`", err=True)
 
     with tempfile.TemporaryDirectory(prefix="stepmill-ui-") as folder:
-        args = serve_args(db, folder, host=host, port=port) + list(datasette_args)
+        args = serve_args(list(dbs), folder, host=host, port=port) + list(datasette_args)
         datasette_cli.main(args=args, prog_name="stepmill ui", standalone_mode=False)
 
 

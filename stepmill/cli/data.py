@@ -167,18 +167,39 @@ def batches(db, layout, out_dir, where, params, group_ids, batch_size, max_promp
 @db_option
 @address_options(8090)
 @confdir_option
-def serve(db, port, host, confdir):
-    """Serve the consumption stream over HTTP (claim / acknowledge, batches as safetensors)."""
+@click.option("--node-id", help="Serve as this node of a fleet: register with the coordinator, heartbeat, and "
+                                "publish the file's finished runs (group readiness) to it.")
+@click.option("--coordinator", envvar="STEPMILL_COORDINATOR", help="The fleet's PostgreSQL: postgresql://… "
+              "(default $STEPMILL_COORDINATOR); used with --node-id.")
+@click.option("--advertise", help="With --node-id: the URL trainers reach this server at "
+                                  "(default http://HOST:PORT).")
+@click.option("--heartbeat", "heartbeat_s", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="With --node-id: seconds between heartbeats (each also publishes newly finished runs).")
+def serve(db, port, host, confdir, node_id, coordinator, advertise, heartbeat_s):
+    """Serve the consumption stream over HTTP (claim / acknowledge, a group's batch, batches as safetensors)."""
     from stepmill.auth.token import ensure_token
     from stepmill.trainer_bridge.serve import make_server
 
     open_writer(db).close()
     server = make_server(db, host, port, ensure_token(confdir))
+    agent = None
+    if node_id:
+        from stepmill.store.coordinator import Coordinator
+        from stepmill.trainer_bridge.fleet_node import NodeAgent
+
+        fleet = Coordinator(coordinator)
+        url = advertise or f"http://{host}:{server.server_address[1]}"
+        agent = NodeAgent(db, fleet, node_id, url, interval_s=heartbeat_s)
+        agent.start()
+        click.echo(f"stepmill serve: node {node_id} at {url}, coordinator {fleet.url}", err=True)
     click.echo(f"stepmill serve: http://{host}:{port}/v1/claim (write token needed), steps in {db}", err=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
+    finally:
+        if agent is not None:
+            agent.stop()
 
 
 COMMANDS = [stats, export, tokenize, batches, serve]

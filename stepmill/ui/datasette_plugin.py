@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import threading
 from urllib.parse import quote, unquote
@@ -36,6 +37,7 @@ from stepmill.errors import NotFound
 from stepmill.protocols.messages import content_text
 from stepmill.store import Store, views
 from stepmill.ui import dashboard
+from stepmill.ui import fleet as fleet_view
 from stepmill.ui.lifecycle import STAGES, lifecycle
 
 SIGN_IN = "/-/stepmill/sign-in"
@@ -58,25 +60,35 @@ _stores: dict[str, Store] = {}
 _lock = threading.RLock()  # one Store connection per file, used by one thread at a time
 
 
-def _database(datasette, request):
+def _files(datasette) -> list:
+    """The stepmill files Datasette serves (one per node of a fleet, or the one file), in its order."""
+    return [db for db in datasette.databases.values() if db.path and not db.is_memory]
+
+
+def _database(datasette, request, kind: str | None = None, item_id: str | None = None):
+    """The file a page reads: ``?db=NAME``; else, for an id, the file that holds it (ids never collide
+    across nodes); else the first file."""
     name = request.args.get("db")
     if name:
         return datasette.get_database(name)
-    for db in datasette.databases.values():
-        if db.path and not db.is_memory:
-            return db
-    return datasette.get_database()
+    files = _files(datasette)
+    if kind and item_id is not None and len(files) > 1:
+        for db in files:
+            with _lock:
+                if views.holds(_store(db.path), kind, item_id):
+                    return db
+    return files[0] if files else datasette.get_database()
 
 
 def _store(path: str) -> Store:
     with _lock:
         if path not in _stores:
-            _stores[path] = Store(path)
+            _stores[path] = Store(path, readonly=not os.access(path, os.W_OK))
         return _stores[path]
 
 
-async def _call(datasette, request, fn, *args):
-    db = _database(datasette, request)
+async def _call(datasette, request, fn, *args, kind: str | None = None):
+    db = await asyncio.to_thread(_database, datasette, request, kind, args[0] if kind and args else None)
 
     def run():
         with _lock:
@@ -174,7 +186,7 @@ async def _view(datasette, request, what: str, load, key: str, template: str, as
     as_json = bool(request.url_vars.get("ext"))
     item_id = _segment(request, key)
     try:
-        db_name, context = await _call(datasette, request, load, item_id)
+        db_name, context = await _call(datasette, request, load, item_id, kind=_KINDS[key])
     except NotFound:
         return _not_found(f"{what} {item_id}", as_json)
     if as_json:
@@ -223,6 +235,9 @@ async def lifecycle_view(datasette, request):
     if not await _readable(datasette, request):
         return Response.html("<h1>Sign in to read</h1>", status=403)
     db_name, data = await _call(datasette, request, _lifecycle_and_charts)
+    data["database"] = db_name
+    data["databases"] = [db.name for db in _files(datasette)]
+    data["fleet"] = await asyncio.to_thread(fleet_view.fleet)
     if request.url_vars.get("ext"):
         return Response.json(data)
     return Response.html(await datasette.render_template(
@@ -243,15 +258,23 @@ async def live_view(datasette, request):
             run["url"] = stepmill_path("trajectories", run["trajectory_id"])
         return Response.json(data, headers={"Cache-Control": "no-store"})
     return Response.html(await datasette.render_template(
-        "stepmill_live.html", {"minutes": minutes}, request=request))
+        "stepmill_live.html", {"minutes": minutes, "db": request.args.get("db") or ""}, request=request))
 
 
 async def sign_in(datasette, request):
     """A named reviewer's token becomes Datasette's signed actor cookie; without one, how to sign in."""
     token = request.args.get("token") or ""
     name = None
-    if token:
-        _, name = await _call(datasette, request, lambda store: views.reviewer_for_token(store, token))
+    if token:  # a reviewer made with `stepmill reviewer` in any of the files served
+        def find():
+            for db in _files(datasette):
+                with _lock:
+                    found = views.reviewer_for_token(_store(db.path), token)
+                if found:
+                    return found
+            return None
+
+        name = await asyncio.to_thread(find)
     if not name:
         page = await datasette.render_template(
             "stepmill_sign_in.html", {"refused": bool(token), "actor": request.actor}, request=request)
@@ -263,6 +286,22 @@ async def sign_in(datasette, request):
 
 
 REVIEW_ACTIONS = ("label", "trainable", "tag", "note", "reward")
+
+
+def _holder(datasette, target: str):
+    """The file that holds a review's target (a step or a trajectory)."""
+    files = _files(datasette)
+    for db in files:
+        with _lock:
+            store = _store(db.path)
+            if views.holds(store, "steps", target) or views.holds(store, "trajectories", target):
+                return db
+    return files[0]  # an upstream response id or an unknown target: the store says what it is
+
+
+def _locked(fn, store: Store):
+    with _lock:
+        return fn(store)
 
 
 async def review(datasette, request):
@@ -285,7 +324,8 @@ async def review(datasette, request):
         return store.add_review(target, action, value or None, reviewer=str(actor["id"]))
 
     try:
-        await _call(datasette, request, write)
+        holder = await asyncio.to_thread(_holder, datasette, target)
+        await asyncio.to_thread(lambda: _locked(write, _store(holder.path)))
     except NotFound:
         return Response.text(f"no step or trajectory {target!r}", status=404)
     except ValueError as exc:

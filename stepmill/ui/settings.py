@@ -26,12 +26,13 @@ STEP_COLUMNS = {
 }
 
 
-def metadata(db_name: str) -> dict:
+def metadata(db_name: str | list[str]) -> dict:
+    names = [db_name] if isinstance(db_name, str) else db_name
     return {
         "title": "stepmill",
         "description": "Agents' LLM calls as RL step records. Each step links to a readable view.",
         "databases": {
-            db_name: {
+            name: {
                 "description": "Captured steps, trajectories and groups.",
                 "tables": {
                     "steps": {
@@ -65,29 +66,45 @@ def metadata(db_name: str) -> dict:
                     "reviewers": {"hidden": True},
                     "schema_migrations": {"hidden": True},
                 },
-            }
+            } for name in names
         },
     }
 
 
-def config(db_name: str) -> dict:
-    """Datasette's settings for the database: the stored queries listed beside its tables."""
-    queries = {name: dict(query) for name, query in views.STORED_QUERIES.items()}
-    return {"databases": {db_name: {"queries": queries}}}
+def config(db_name: str | list[str]) -> dict:
+    """Datasette's settings for the database(s): the stored queries listed beside each one's tables."""
+    names = [db_name] if isinstance(db_name, str) else db_name
+    return {"databases": {name: {"queries": {key: dict(query) for key, query in views.STORED_QUERIES.items()}}
+                          for name in names}}
 
 
-def serve_args(db_path: str, folder: str | Path, *, host: str, port: int) -> list[str]:
-    """Arguments for ``datasette`` serving one stepmill database; its configuration is written to ``folder``.
+def database_names(paths: list[str]) -> list[str]:
+    """The names Datasette gives the files: the file's stem, ``_2``, ``_3``… added to a repeated one
+    (two nodes' ``steps.db``)."""
+    names: list[str] = []
+    for path in paths:
+        stem, name, suffix = Path(path).stem, Path(path).stem, 2
+        while name in names:
+            name, suffix = f"{stem}_{suffix}", suffix + 1
+        names.append(name)
+    return names
+
+
+def serve_args(db_path: str | list[str], folder: str | Path, *, host: str, port: int) -> list[str]:
+    """Arguments for ``datasette`` serving one stepmill database, or several (a fleet's nodes' files: the
+    pages find the file that holds an id, the lifecycle page takes ``?db=``); its configuration is
+    written to ``folder``.
 
     ``--root`` makes Datasette print a one-time sign-in link for the local user. Anonymous visitors
     see nothing, on localhost too (agents on this machine must not read answers): everyone signs in.
     The plugin's ASGI gate enforces it for every route; ``allow`` makes Datasette's own permissions agree.
     """
-    name = Path(db_path).stem
+    paths = [str(db_path)] if isinstance(db_path, (str, Path)) else [str(p) for p in db_path]
+    names = database_names(paths)
     folder = Path(folder)
-    settings = config(name)
+    settings = config(names)
     settings["allow"] = {"id": "*"}  # any signed-in actor; nobody anonymous
-    (folder / "metadata.json").write_text(json.dumps(metadata(name)))
+    (folder / "metadata.json").write_text(json.dumps(metadata(names)))
     (folder / "datasette.json").write_text(json.dumps(settings))
-    return ["serve", str(db_path), "--host", host, "--port", str(port), "--root",
+    return ["serve", *paths, "--host", host, "--port", str(port), "--root",
             "-m", str(folder / "metadata.json"), "-c", str(folder / "datasette.json")]
