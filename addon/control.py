@@ -4,24 +4,40 @@
 through the proxy (the host is ``stepmill_control_host``; no DNS needed), or anything on the
 ``--control-port`` listener. The answer is made in the control thread (``stepmill.api``), so its
 reads and writes never hold up the loop; a barrier waits on the loop, without blocking it.
+
+One of several workers (``stepmill proxy --workers N``), the endpoint also answers its siblings on the
+private channel (``siblings.py``): a barrier asks every worker for its calls in flight, a registered
+run is told to every worker before the registration is answered, health lists every worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
+import logging
+import os
 import time
 
 from mitmproxy import ctx, http
 from mitmproxy.proxy import mode_specs
 
 from stepmill.addon.loop_state import LoopState, hook_failed
+from stepmill.addon.siblings import Siblings
 from stepmill.api.control import ControlAPI, Endpoints
+from stepmill.auth.runs import Run
 from stepmill.auth.token import ensure_token
 from stepmill.protocols.base import json_bytes
 
+log = logging.getLogger("stepmill")
+
+
+def hook_failed_quietly(message: str) -> None:
+    log.warning(f"stepmill: {message}")
+
 BARRIER_TIMEOUT = 60.0  # seconds a barrier waits for in-flight calls and the writer at most
 BARRIER_POLL = 0.02
+TELL_TIMEOUT = 5.0  # seconds a sibling has to take a registered run or answer its status
 
 
 class ControlEndpoint:
@@ -29,16 +45,45 @@ class ControlEndpoint:
         self.state = state
         self.api: ControlAPI | None = None  # while a pipeline runs: it answers from the pipeline's store
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stepmill-control")
+        self.siblings: Siblings | None = None  # the other workers, when this is one of several
+        self._serving: asyncio.Task | None = None
 
     # -- set-up (``PipelineLifecycle`` opens and closes it with the pipeline) -----------------------
     def open(self) -> None:
+        """On the event loop (``running``, or the first request)."""
         state = self.state
-        self.api = ControlAPI(state.pipeline.store, self.endpoints, token=ensure_token(ctx.options.confdir),
-                              status=state.pipeline.status, on_policy_version=state.set_policy_version,
-                              on_run=state.runs.add)
+        token = ensure_token(ctx.options.confdir)
+        self.siblings = Siblings.from_env(token)
+        self.api = ControlAPI(state.pipeline.store, self.endpoints, token=token,
+                              status=self._status, on_policy_version=state.set_policy_version, on_run=self._on_run)
+        if self.siblings is not None:
+            self._serving = asyncio.get_running_loop().create_task(self.siblings.serve(
+                {"barrier": self._sibling_barrier, "run": self._sibling_run, "status": self._sibling_status}))
 
     def close(self) -> None:
         self.api = None
+        if self.siblings is not None:
+            self.siblings.close()
+            self.siblings = None
+
+    # -- in the control thread ------------------------------------------------------------------
+    def _on_run(self, run: Run) -> None:
+        """A run registered here: this worker and every sibling check its credentials from the next call,
+        whichever worker that call reaches (the siblings are told before the registration is answered)."""
+        self.state.runs.add(run)
+        siblings = self.siblings
+        if siblings is not None:
+            for answer in siblings.tell("run", TELL_TIMEOUT, run=dataclasses.asdict(run)):
+                if "error" in answer:  # a restarting worker reads every run when it starts
+                    hook_failed_quietly(f"a sibling worker was not told of run {run.trajectory_id!r}: {answer}")
+
+    def _status(self) -> dict:
+        pipeline, siblings = self.state.pipeline, self.siblings
+        out = pipeline.status() if pipeline is not None else {}
+        if siblings is not None:
+            out["workers"] = sorted([self._worker_status()] + siblings.tell("status", TELL_TIMEOUT),
+                                    key=lambda w: str(w.get("worker")))
+        return out
 
     def configure(self, updated):
         if "confdir" in updated and self.api is not None:
@@ -102,10 +147,47 @@ class ControlEndpoint:
         flow.response = http.Response.make(status, json_bytes(payload), {"Content-Type": "application/json"})
 
     async def _barrier(self, trajectory_id: str | None) -> dict:
+        """This worker's barrier, and every sibling's at once: committed only when each committed."""
+        if self.siblings is None:
+            return await self._local_barrier(trajectory_id, time.monotonic() + BARRIER_TIMEOUT)
+        started = time.monotonic()
+        own, others = await asyncio.gather(
+            self._local_barrier(trajectory_id, started + BARRIER_TIMEOUT),
+            self.siblings.ask("barrier", BARRIER_TIMEOUT + 5, trajectory=trajectory_id))
+        every = [own] + others
+        # A worker not started yet has nothing in flight; one that died and did not come back in time
+        # may hold calls in its journal: not known committed.
+        committed = all(answer.get("committed") or answer.get("absent") for answer in every)
+        out = {"committed": committed, "waited_ms": round((time.monotonic() - started) * 1000, 1),
+               "workers": len(every)}
+        if not committed:
+            out["in_flight"] = sum(answer.get("in_flight", 0) for answer in every)
+            out["unreachable"] = [answer["worker"] for answer in others if "error" in answer]
+        return out
+
+    # -- on the event loop: what siblings ask ----------------------------------------------------
+    async def _sibling_barrier(self, message: dict) -> dict:
+        return await self._local_barrier(message.get("trajectory"), time.monotonic() + BARRIER_TIMEOUT)
+
+    async def _sibling_run(self, message: dict) -> dict:
+        self.state.runs.add(Run(**message["run"]))
+        return {"ok": True}
+
+    async def _sibling_status(self, message: dict) -> dict:
+        return self._worker_status()
+
+    def _worker_status(self) -> dict:
+        """What this worker did, from counters only (no file read: the loop and the control thread ask it)."""
+        pipeline = self.state.pipeline
+        return {"worker": self.siblings.id if self.siblings else 0, "pid": os.getpid(),
+                "calls": pipeline.submitted if pipeline is not None else 0,
+                "journaled": pipeline.handoff.appended if pipeline is not None else 0,
+                "in_flight": self.state.in_flight(None)}
+
+    async def _local_barrier(self, trajectory_id: str | None, deadline: float) -> dict:
         """Waits until no call of ``trajectory_id`` (any call, for None) is in flight, every call handed
         off is in the journal, and the writer committed the journal up to where it then ended."""
         started = time.monotonic()
-        deadline = started + BARRIER_TIMEOUT
         while self.state.in_flight(trajectory_id) > 0 and time.monotonic() < deadline:
             await asyncio.sleep(BARRIER_POLL)
         pipeline = self.state.pipeline

@@ -10,13 +10,27 @@ The same table serves the synchronous ``trigger`` (options, log entries). mitmpr
 every log record, debug ones included, into a deprecated ``add_log`` event (formatted, and
 scheduled on the loop through a wake-up pipe); here that happens only while an addon handles it.
 The stepmill addon is part of the chain (after the user's scripts), not a script.
+
+``supervise`` runs N such masters as worker processes (``stepmill proxy --workers N``), each accepting
+on the same ports (SO_REUSEPORT: the kernel spreads new connections over them) with its own journal and
+writer; the workers talk over a private channel (``stepmill.addon.siblings``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import ctypes
 import inspect
 import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 
 from mitmproxy import addonmanager, addons, ctx, exceptions, hooks, master
 from mitmproxy import log as mitmproxy_log
@@ -25,6 +39,7 @@ from mitmproxy.proxy import events, layer, mode_servers
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.utils import expect
 
+from stepmill.addon import siblings
 from stepmill.addon.main import StepmillAddon
 
 log = logging.getLogger(__name__)
@@ -163,3 +178,150 @@ def run(arguments: list[str]) -> None:
     from mitmproxy.tools.main import run as run_master
 
     run_master(StepmillMaster, cmdline.mitmdump, arguments)
+
+
+# -- one of several workers ---------------------------------------------------------------------------
+_listen = mode_servers.AsyncioServerInstance.listen
+
+
+async def _listen_shared(self: mode_servers.AsyncioServerInstance, host: str, port: int):
+    """mitmproxy's listen, with SO_REUSEPORT on a TCP listener of a given port: every worker binds it.
+    A mode that also listens on UDP (reverse to https: HTTP/3) has that in the first worker only."""
+    protocol = self.mode.transport_protocol
+    if protocol not in ("tcp", "both") or not port:
+        return await _listen(self, host, port)
+    servers = [await asyncio.start_server(self.handle_stream, host, port, reuse_port=True)]
+    if protocol == "both" and os.environ.get(siblings.ENV_ID) == "0":
+        if host == "":  # as mitmproxy: both stacks
+            servers.append(await self.start_udp_based_server("0.0.0.0", port))
+            with contextlib.suppress(Exception):
+                servers.append(await self.start_udp_based_server("::", port))
+        else:
+            servers.append(await self.start_udp_based_server(host, port))
+    return servers
+
+
+def run_worker(arguments: list[str]) -> None:
+    """A worker of ``supervise`` (``python -m stepmill.proxy_master``): the master, its listeners shared."""
+    mode_servers.AsyncioServerInstance.listen = _listen_shared
+    run(arguments)
+
+
+MAX_WORKERS = 8  # the default's cap: one SQLite file takes every worker's commits, one writer at a time
+STOP_WAIT = 30.0  # seconds workers have to drain their writers after SIGTERM, then they are killed
+RESTARTS = 5  # restarts within RESTART_WINDOW seconds at most; past it the proxy stops
+RESTART_WINDOW = 60.0
+
+
+def default_workers() -> int:
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
+                      MAX_WORKERS))
+
+
+def port_taken(host: str, port: int) -> str | None:
+    """Why nothing else may listen on ``host:port`` (None: free). Bound without SO_REUSEPORT: a proxy
+    already there, with or without workers, makes it fail, so a second proxy never joins the first."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host or ("::" if family == socket.AF_INET6 else "0.0.0.0"), port))
+        except OSError as exc:
+            return str(exc)
+    return None
+
+
+def _die_with_parent() -> None:
+    """In a worker, before exec: killed (as a kill -9 of the one proxy process would be) if the supervisor dies."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Supervisor:
+    """Starts the workers, restarts one that dies, stops them all on SIGINT/SIGTERM.
+
+    A worker that dies after it started serving (killed, out of memory) is started again: the new one
+    replays the journal its predecessor left, so its finished calls are kept, and the others serve
+    meanwhile. One that dies before it served (a bad option, a port taken) stops the proxy, with its
+    exit status: starting it again would fail the same way. So do too many restarts in a row."""
+
+    def __init__(self, arguments: list[str], count: int):
+        self.arguments = arguments
+        self.count = count
+        self.folder = tempfile.mkdtemp(prefix="stepmill-workers-")  # 0700: the private channel's sockets
+        self.processes: dict[int, subprocess.Popen] = {}
+        self.started: dict[int, float] = {}
+        self.restarts: list[float] = []
+        self.stopping = False
+
+    def _start(self, worker: int) -> None:
+        env = {**os.environ, siblings.ENV_DIR: self.folder, siblings.ENV_ID: str(worker),
+               siblings.ENV_COUNT: str(self.count)}
+        self.started[worker] = time.time()
+        self.processes[worker] = subprocess.Popen([sys.executable, "-m", "stepmill.proxy_master", *self.arguments],
+                                                  env=env, process_group=0, preexec_fn=_die_with_parent)
+
+    def _served(self, worker: int) -> bool:
+        """Whether the worker got as far as its private channel (made after its listeners)."""
+        try:
+            return siblings.socket_path(self.folder, worker).stat().st_mtime >= self.started[worker] - 1
+        except OSError:
+            return False
+
+    def _stop_all(self, signum: int = signal.SIGTERM) -> None:
+        self.stopping = True
+        for process in self.processes.values():
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signum)
+
+    def run(self) -> int:
+        status = 0
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: self._stop_all())
+        try:
+            for worker in range(self.count):
+                self._start(worker)
+            while not self.stopping:
+                time.sleep(0.2)
+                for worker, process in list(self.processes.items()):
+                    code = process.poll()
+                    if code is None or self.stopping:
+                        continue
+                    now = time.time()
+                    self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW]
+                    if not self._served(worker) or len(self.restarts) >= RESTARTS:
+                        why = "before it served" if not self._served(worker) else f"{RESTARTS} restarts in a row"
+                        print(f"stepmill: worker {worker} exited with {code} {why}; stopping the proxy",
+                              file=sys.stderr, flush=True)
+                        status = code or 1
+                        self._stop_all()
+                        break
+                    print(f"stepmill: worker {worker} (pid {process.pid}) exited with {code}; starting it again",
+                          file=sys.stderr, flush=True)
+                    self.restarts.append(now)
+                    self._start(worker)
+            deadline = time.monotonic() + STOP_WAIT
+            for process in self.processes.values():
+                try:
+                    code = process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    code = process.wait()
+                if code and code != -signal.SIGTERM and not status:
+                    status = code if code > 0 else 1
+            return status
+        finally:
+            self._stop_all(signal.SIGKILL)
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def supervise(arguments: list[str], count: int) -> int:
+    """``count`` workers running mitmdump's command line ``arguments``; the exit status of the proxy."""
+    return Supervisor(arguments, count).run()
+
+
+if __name__ == "__main__":
+    run_worker(sys.argv[1:])

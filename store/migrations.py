@@ -227,6 +227,16 @@ def _m008_dashboard(db: sqlite_utils.Database) -> None:
     db["steps"].create_index(["group_id"])
 
 
+def _m009_policy_history(db: sqlite_utils.Database) -> None:
+    # Every policy version set, with when (epoch seconds): the writers of several proxy processes stamp
+    # each call with the version in effect when it started, read here, not a value one process cached.
+    db["policy_versions"].create({"set_at": float, "version": str})
+    db["policy_versions"].create_index(["set_at"])
+    current = db.conn.execute("SELECT value FROM state WHERE key = 'policy_version'").fetchone()
+    if current is not None:  # set before this history was kept: in effect since always
+        db.conn.execute("INSERT INTO policy_versions (set_at, version) VALUES (0, ?)", [current[0]])
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("capture", _m001_capture),
     ("tokens", _m002_tokens),
@@ -236,6 +246,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("consumption", _m006_consumption),
     ("runs", _m007_runs),
     ("dashboard", _m008_dashboard),
+    ("policy_history", _m009_policy_history),
 ]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 JOURNAL_PREFIX = "journal:"  # a journal's committed position is kept under journal:<id>
 
 
@@ -37,5 +39,21 @@ class State:
         return self.get_state("policy_version")
 
     def set_policy_version(self, version: str | int | None) -> None:
-        self.set_state("policy_version", None if version is None else str(version))
+        """The version from now on, and in the history (same transaction) the calls are stamped from."""
+        value = None if version is None else str(version)
+        if self._batch is not None:
+            self._set_policy_version(self.db.conn, value)
+            return
+        with self.write() as conn:
+            self._set_policy_version(conn, value)
+
+    def _set_policy_version(self, conn, value: str | None) -> None:
+        self._set_state(conn, "policy_version", value)
+        conn.execute("INSERT INTO policy_versions (set_at, version) VALUES (?, ?)", [time.time(), value])
+
+    def policy_version_at(self, when: float) -> str | None:
+        """The version in effect at ``when`` (epoch seconds): the last one set by then (None before any)."""
+        row = self.db.conn.execute("SELECT version FROM policy_versions WHERE set_at <= ? ORDER BY set_at DESC "
+                                   "LIMIT 1", [when]).fetchone()
+        return row[0] if row else None
 

@@ -55,16 +55,23 @@ def stop(process: subprocess.Popen) -> None:
 
 
 def writer_of(process: subprocess.Popen) -> int:
-    def find():
+    """A writer process of the proxy: its child, or with workers its grandchild."""
+    def parents() -> dict[int, tuple[int, bytes]]:
+        found = {}
         for entry in os.listdir("/proc"):
             if entry.isdigit():
                 try:
                     stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-                    cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+                    found[int(entry)] = (int(stat[1]), Path(f"/proc/{entry}/cmdline").read_bytes())
                 except OSError:
                     continue
-                if int(stat[1]) == process.pid and b"stepmill.pipeline.writer" in cmdline:
-                    return int(entry)
+        return found
+
+    def find():
+        table = parents()
+        for pid, (parent, cmdline) in table.items():
+            if b"stepmill.pipeline.writer" in cmdline and process.pid in (parent, table.get(parent, (None,))[0]):
+                return pid
         return None
     return wait_until(find, timeout=30, what="the writer process")
 

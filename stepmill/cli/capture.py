@@ -19,10 +19,13 @@ from stepmill.cli.stores import open_writer
 @click.option("--control-port", type=int, default=None,
               help="Also answer the control API directly on this port (default: none; it is always "
                    "reachable as http://stepmill.local through the proxy).")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Proxy processes accepting on the same ports, each with its own journal and writer "
+                   "(default: one per core, at most 8). 1: one process, as without workers.")
 @db_option
 @confdir_option
 @click.argument("mitmproxy_args", nargs=-1, type=click.UNPROCESSED)
-def proxy(port, host, control_port, db, confdir, mitmproxy_args):
+def proxy(port, host, control_port, workers, db, confdir, mitmproxy_args):
     """Run mitmproxy with the stepmill addon.
 
     Extra arguments go to mitmdump as they are: more `-s` scripts, `--set name=value`,
@@ -32,7 +35,7 @@ def proxy(port, host, control_port, db, confdir, mitmproxy_args):
     are the same as `--confdir`, `--db`, `--host`, `--port`.
     """
     from stepmill.auth.token import ENV, ensure_token, token_path
-    from stepmill.proxy_master import run
+    from stepmill.proxy_master import default_workers, run, supervise
     from stepmill.runner.proxy_env import ensure_bundle, ensure_ca
 
     extra, own = take_own_options(list(mitmproxy_args))
@@ -55,13 +58,43 @@ def proxy(port, host, control_port, db, confdir, mitmproxy_args):
     # The addon comes after the user's scripts (it is part of the master's chain): it sees, and
     # records, requests as they go upstream.
     args = args + extra
-    click.echo(f"stepmill {__version__}: proxy on http://{host}:{port}, steps in {db}", err=True)
+    workers = workers or default_workers()
+    if workers > 1:
+        _check_ports(args, host, port, workers)
+    click.echo(f"stepmill {__version__}: proxy on http://{host}:{port}, steps in {db}"
+               + (f", {workers} worker processes" if workers > 1 else ""), err=True)
     click.echo(f"mitmproxy CA: {ca}", err=True)
     click.echo(f"trust bundle (system CAs + mitmproxy CA): {bundle}", err=True)
     click.echo(f"write token for the control API: {'$' + ENV if os.environ.get(ENV) else token_path(confdir)}"
                " (never give it to agents)", err=True)
     click.echo(f'agents: eval "$(stepmill env --port {port})"', err=True)
+    if workers > 1:
+        sys.exit(supervise(args, workers))
     sys.exit(run(args) or 0)
+
+
+def _check_ports(args: list[str], host: str, port: int, workers: int) -> None:
+    """Workers share their ports (SO_REUSEPORT): each must be given, and free, before they start, or a
+    second proxy on the same port would join the first instead of failing."""
+    from mitmproxy.proxy import mode_specs
+
+    from stepmill.proxy_master import port_taken
+
+    specs = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--mode", "-m")]
+    specs += [a.partition("=")[2] for a in args if a.startswith("--mode=")]
+    for spec in specs:
+        try:
+            mode = mode_specs.ProxyMode.parse(spec)
+        except ValueError:
+            continue  # mitmproxy says what is wrong with it
+        if mode.transport_protocol not in ("tcp", "both"):  # both: its UDP side (HTTP/3) in the first worker
+            raise click.UsageError(f"--workers {workers}: mode {spec!r} is not TCP; run it with --workers 1")
+        listen_host, listen_port = mode.listen_host(host), mode.listen_port(port)
+        if not listen_port:
+            raise click.UsageError(f"--workers {workers} needs a fixed port for mode {spec!r}, not 0")
+        taken = port_taken(listen_host, listen_port)
+        if taken:
+            raise click.UsageError(f"port {listen_port} is taken ({taken}): is a proxy already running there?")
 
 
 @click.command()

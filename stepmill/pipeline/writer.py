@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import select
@@ -99,7 +100,7 @@ class Writer:
             if not entries:
                 return False
             # Parsing first, outside the transaction: the write lock is held only for the SQL.
-            writes = [ingest.prepare(*CallRecord.from_entry(payload)) for _, payload in entries]
+            writes = [ingest.prepare(*stamped(store, *CallRecord.from_entry(payload))) for _, payload in entries]
             with self.priority.raised(), store.batch():
                 for write in writes:
                     write()
@@ -123,6 +124,17 @@ class Writer:
     def _checkpoint(self, store: Store, mode: str) -> None:
         self._since_checkpoint = 0
         store.checkpoint(mode)  # False when a reader holds the WAL: the next batch tries again
+
+
+def stamped(store: Store, record: CallRecord, blobs: list) -> tuple[CallRecord, list]:
+    """The record with the policy version in effect when its call started, from the file's history:
+    the same answer whichever proxy process took the call, however recently the version was set, and
+    again when a journal is replayed (the version the event loop cached stays only on a record without a start)."""
+    if record.started:
+        version = store.policy_version_at(record.started)
+        if version != record.policy_version:
+            record = dataclasses.replace(record, policy_version=version)
+    return record, blobs
 
 
 class ThreadWriter:
