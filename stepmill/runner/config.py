@@ -36,6 +36,11 @@
     timeout = 120                             # seconds per run
     channel = "train"
     model = "qwen"
+    # executor = "ray"                        # run on a Ray cluster's nodes (ray_executor.py), with:
+    # ray_address = "ray://head:10001"        # default: ray.init()'s choice (RAY_ADDRESS, a running one, or local)
+    # runs_per_node = 8                       # default: concurrency
+    # node_dir = "/var/lib/stepmill"          # each node's SQLite file, on its local disk (WAL needs one)
+    # coordinator = "postgresql://…"          # default: $STEPMILL_COORDINATOR; none: no fleet registry
 
     [[reward]]                                # as in `stepmill score`
     name = "math"
@@ -84,6 +89,14 @@ class Run:
     channel: str = "train"
     model: str = "default"
     policy_version: str | None = None
+    executor: str = "local"  # local | ray
+    ray_address: str | None = None  # the Ray cluster (None: ray.init()'s own choice, a running one or a new local one)
+    runs_per_node: int | None = None  # Ray: concurrent runs on each node (default: concurrency)
+    node_dir: str = "~/.stepmill/nodes"  # Ray: each node's files, on that node's local disk
+    coordinator: str | None = None  # Ray: the fleet's PostgreSQL (default: $STEPMILL_COORDINATOR)
+
+
+EXECUTORS = ("local", "ray")
 
 
 @dataclass
@@ -164,6 +177,32 @@ def dataset_path(value: str, base: Path) -> str:
     return str((base / os.path.expanduser(value)).resolve())
 
 
+def _check_executor(run: dict, data: dict, fail) -> None:
+    """The Ray executor's keys: only with executor = "ray", and each of the right kind."""
+    executor = run.get("executor", "local")
+    if executor not in EXECUTORS:
+        fail("run", "executor", f"must be one of {', '.join(EXECUTORS)}")
+    ray_keys = ("ray_address", "runs_per_node", "node_dir", "coordinator")
+    if executor != "ray":
+        for key in ray_keys:
+            if key in run:
+                fail("run", key, 'applies to executor = "ray" only')
+        return
+    for key in ("ray_address", "node_dir"):
+        if key in run and not (isinstance(run[key], str) and run[key]):
+            fail("run", key, "a non-empty string is required")
+    if "runs_per_node" in run and not (isinstance(run["runs_per_node"], int) and not isinstance(run["runs_per_node"], bool)
+                                       and run["runs_per_node"] > 0):
+        fail("run", "runs_per_node", "a positive integer is required")
+    if "coordinator" in run and not (isinstance(run["coordinator"], str)
+                                     and re.match(r"postgres(ql)?://", run["coordinator"])):
+        fail("run", "coordinator", "a postgresql:// URL is required")
+    proxy = data.get("proxy") if isinstance(data.get("proxy"), dict) else {}
+    for key in ("url", "db"):
+        if key in proxy:
+            fail("proxy", key, 'executor = "ray" starts a proxy on each node, with its own file in run.node_dir')
+
+
 def load(path: str | Path) -> Config:
     path = Path(path)
     try:
@@ -235,6 +274,7 @@ def load(path: str | Path) -> Config:
         fail("run", "timeout", "a positive number of seconds is required")
     if "policy_version" in run:
         run["policy_version"] = str(run["policy_version"])
+    _check_executor(run, data, fail)
     route = data.get("route", {})
     if "base_url" in route and not (isinstance(route["base_url"], str)
                                     and re.match(r"https?://[^/]", route["base_url"])):

@@ -39,6 +39,8 @@ HOST_SOCKETS = ("/run/user", "/run/dbus", "/run/docker.sock", "/run/containerd",
 # Variables that point a process at such a service, or sign as the runner's user.
 PRIVATE_ENV = ("DBUS_SESSION_BUS_ADDRESS", "DBUS_SYSTEM_BUS_ADDRESS", "SSH_AUTH_SOCK", "GPG_AGENT_INFO",
                "XDG_RUNTIME_DIR", "DOCKER_HOST", "CONTAINER_HOST", "DATASETTE_SECRET", "RAY_ADDRESS", "KRB5CCNAME")
+# stepmill's own settings; Ray's (a run's task inherits its worker's: the cluster's address, session, node).
+PRIVATE_PREFIXES = ("STEPMILL_", "RAY_")
 NONE_WARNING = ("stepmill: run {trajectory} is NOT isolated (isolation = none): the agent can read the "
                 "database, the dataset's answers and the proxy's token, and change its own data")
 
@@ -167,7 +169,7 @@ def sandbox_command(command: list[str], *, run_dir: Path, private: Private, need
 def agent_environment(environ: dict) -> dict:
     """What of the runner's environment a run inherits: not stepmill's own settings, nor anything that
     reaches a service acting for the runner's user."""
-    return {k: v for k, v in environ.items() if not k.startswith("STEPMILL_") and k not in PRIVATE_ENV}
+    return {k: v for k, v in environ.items() if not k.startswith(PRIVATE_PREFIXES) and k not in PRIVATE_ENV}
 
 
 def container_command(command: list[str], prefix: list[str], *, workdir: Path, env_file: Path, uid: int) -> list[str]:

@@ -1,0 +1,312 @@
+"""One run of an agent, on the machine whose proxy records it: registered with a secret, started
+isolated, stopped at its timeout, then completed with its outcome. The local runner calls it from its
+threads; a Ray rollout calls the same code from a run's task on the node (``node.py``)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stepmill.auth.token import ENV as TOKEN_ENV
+from stepmill.children import die_with_parent
+from stepmill.client import ControlError, StepmillClient
+from stepmill.runner import isolation as iso
+from stepmill.runner.config import Config
+from stepmill.runner.proxy_handle import ProxyHandle, origin
+from stepmill.runner.proxy_env import trust_env
+from stepmill.tags import encode_id
+
+# What a white-box run reports of a step: only what the runner cannot know itself. Reward, policy
+# version, trajectory, group, channel, model and is_last come from the runner.
+WHITE_BOX_FIELDS = ("prompt_ids", "response_ids", "logprobs", "finish_reason", "messages", "completion")
+
+
+@dataclass
+class Job:
+    """One run to make: an agent on a task, its trajectory and group ids (the runner's, the same on every node)."""
+
+    agent: object  # config.Agent
+    task: dict
+    trajectory: str
+    group: str
+
+
+@dataclass
+class RunSite:
+    """Where runs execute: one proxy and its database, the runs' root folder, what runs must not see.
+    ``running`` counts the runs whose process is alive; ``processes`` lets an interrupt stop them."""
+
+    config: Config
+    proxy: ProxyHandle
+    mode: str  # the isolation runs use (isolation.resolve)
+    runs_root: Path
+    bundle: Path  # the proxy's CA with the system's, copied into each run's folder
+    slots: queue.SimpleQueue  # user mode: concurrent runs never share a uid
+    white_box_tokenizer: str | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    processes: dict = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    running: int = 0
+
+    @functools.cached_property
+    def private(self) -> iso.Private:
+        run = self.config.run
+        return iso.Private.of(db=self.proxy.db, confdir=self.proxy.confdir, dataset=self.config.datasets[run.dataset],
+                              config=str(self.config.path), runs_root=self.runs_root)
+
+    def stop_all(self) -> None:
+        """Runs not started yet never start; running ones are stopped, their trajectories stay open."""
+        with self.lock:
+            self.stop.set()
+            running = list(self.processes.values())
+        for process in running:
+            stop_group(process)
+
+
+def white_box_tokenizer(config: Config) -> str | None:
+    tokenizer = config.route.tokenizer
+    if not tokenizer and any(config.agents[name].entry for name in config.run.agent):
+        from stepmill.qwen_vocab import default_folder
+
+        tokenizer = str(default_folder())  # the bundled Qwen2 vocabulary, built once
+    return tokenizer
+
+
+def new_runs_root() -> Path:
+    runs_root = Path(tempfile.mkdtemp(prefix="stepmill-rollout-"))
+    os.chmod(runs_root, 0o711)  # other users (user mode) reach their own run folder, list none
+    return runs_root
+
+
+def plan(config: Config) -> list[Job]:
+    """Every run of the rollout, in order: n per task and agent, one group per task and agent."""
+    run = config.run
+    jobs = []
+    for task in config.tasks(run.dataset):
+        for agent in [config.agents[name] for name in run.agent]:
+            # One group per task and agent: rollouts of one prompt by one policy loop (GRPO).
+            group = f"{run.dataset}-{task['id']}" + (f"-{agent.name}" if len(run.agent) > 1 else "")
+            jobs.extend(Job(agent, task, f"{group}-{i}", group) for i in range(run.n))
+    return jobs
+
+
+def register(config: Config, client: StepmillClient, store, job: Job) -> str:
+    """The run's trajectory, started (or taken back) and registered: a fresh secret, its own group
+    and channel. Every run is registered before any starts, so no run can claim a later one's id."""
+    run = config.run
+    public_fields = set(config.public.get(run.dataset, []))
+    task, trajectory = job.task, job.trajectory
+    # Only the fields the dataset calls public go with the trajectory; answers and tests are for
+    # reward functions alone, kept where no agent-reachable surface serves them.
+    metadata = {k: v for k, v in task.items() if k in public_fields}
+    metadata.update(dataset=run.dataset, task_id=task["id"], agent=job.agent.name)
+    scoring = {k: v for k, v in task.items() if k not in public_fields and k not in ("id", "prompt")}
+    try:
+        client.start_trajectory(trajectory_id=trajectory, group_id=job.group, channel=run.channel,
+                                metadata=metadata, scoring=scoring)
+    except ControlError as exc:
+        if exc.status != 409:
+            raise
+        # A run cut short before runs again — or anything else wrote under this id first: what it
+        # sent stays, labelled bad so the gate keeps it out, and the run's own group and channel
+        # are set again whatever that writer gave.
+        client.update_trajectory(trajectory, group_id=job.group, channel=run.channel, metadata=metadata,
+                                 scoring=scoring)
+        for step_id in store.step_ids(trajectory):
+            client.review(step_id, "label", "bad", reviewer="stepmill-rollout")
+    # A fresh secret per run (a rerun's replaces the old): only this run's credentials write here.
+    return client.register_run(trajectory)["secret"]
+
+
+@dataclass
+class Outcome:
+    trajectory: str
+    outcome: str  # ok | failed | timeout
+    committed: bool  # the proxy completed it: every call of it is in the database
+
+
+def run_one(site: RunSite, job: Job, secret: str) -> Outcome | None:
+    """Run the job's agent to its end or its timeout and complete its trajectory; None when the site
+    was stopped (the trajectory stays open and runs again next time)."""
+    if site.stop.is_set():
+        return None
+    config, proxy, mode = site.config, site.proxy, site.mode
+    run, agent, task, trajectory, group = config.run, job.agent, job.task, job.trajectory, job.group
+    public_fields = set(config.public.get(run.dataset, []))
+    slot = site.slots.get()
+    try:
+        uid = config.isolation.first_uid + slot
+        run_dir = Path(tempfile.mkdtemp(prefix=encode_id(trajectory)[:80] + "-", dir=site.runs_root))
+        workdir = run_dir / "work"
+        workdir.mkdir()
+        run_bundle = run_dir / "ca-bundle.pem"  # the run's own copy: the confdir stays hidden
+        shutil.copyfile(site.bundle, run_bundle)
+        os.chmod(run_bundle, 0o644)
+        values = {"task": task["prompt"], "model": run.model, "workdir": str(workdir), "trajectory": trajectory,
+                  "group": group, "base_url": config.route.base_url or "", "origin": origin(config.route.base_url),
+                  "python": sys.executable}
+        # No agent gets the write token; loopback LLMs go through the proxy too (no NO_PROXY).
+        base = {k: v for k, v in iso.agent_environment(os.environ).items()
+                if k.lower() != "no_proxy" and k != TOKEN_ENV}
+        direct = {k: v for k, v in base.items() if not k.lower().endswith("_proxy")}
+        steps_read = steps_write = None
+        if agent.entry:  # white-box: straight to the engine; its steps come back on a pipe of its own
+            steps_read, steps_write = os.pipe()
+            command = [sys.executable, "-m", "stepmill.agents.whitebox", agent.entry]
+            env = {**direct, **trust_env(str(run_bundle)), **agent.env,
+                   "STEPMILL_ENGINE_URL": config.route.base_url, "STEPMILL_MODEL": run.model,
+                   "STEPMILL_TOKENIZER": site.white_box_tokenizer, "STEPMILL_STEPS_FD": str(steps_write)}
+            # The task as the agent may see it: its id, prompt and public fields, never the answer.
+            stdin = json.dumps({k: v for k, v in task.items() if k in ("id", "prompt") or k in public_fields}).encode()
+        else:
+            command = [fill(part, values) for part in agent.command]
+            env = {**(direct if config.route.reverse else base), **proxy.env(trajectory, secret, config.route, run_bundle),
+                   **{name: fill(str(value), values) for name, value in agent.env.items()}}
+            stdin = task["prompt"].encode() if agent.input == "stdin" else None
+            if agent.input == "file":
+                Path(workdir, agent.file).write_text(task["prompt"])
+        env["STEPMILL_TRAJECTORY"] = trajectory
+        if mode in ("sandbox", "user"):  # a home of its own: agent CLIs write their state there
+            home = run_dir / "home"
+            home.mkdir()
+            env["HOME"] = str(home)
+        preexec = die_with_parent
+        if mode == "sandbox":
+            command = iso.sandbox_command(command, run_dir=run_dir, private=site.private,
+                                          needs=[Path(site.white_box_tokenizer)] if agent.entry else [])
+        elif mode == "user":
+            iso.end_all(uid)  # whatever a run of this uid left behind (a killed runner's) goes first
+            iso.give_to(run_dir, uid)
+            os.chmod(run_dir, 0o700)
+            switch = iso.become(uid)
+            preexec = lambda: (switch(), die_with_parent())  # noqa: E731  (a uid change clears it)
+        elif mode == "container":
+            env_file = run_dir / "env"
+            iso.write_env_file(env_file, env)
+            command = iso.container_command(command, config.isolation.prefix, workdir=workdir, env_file=env_file,
+                                            uid=uid)
+        else:
+            print(iso.NONE_WARNING.format(trajectory=trajectory), file=sys.stderr, flush=True)
+        started = time.time()
+        submitted = {"steps": 0, "errors": []}
+        with open(Path(workdir, "agent.log"), "wb") as log:
+            # Its own process group: an agent CLI's own children stop with it. Everything it prints
+            # goes to its log; a white-box run's steps come on their own pipe, which its tools never inherit.
+            try:
+                process = subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                           start_new_session=True, preexec_fn=preexec,
+                                           pass_fds=(steps_write,) if steps_write is not None else ())
+            finally:
+                if steps_write is not None:
+                    os.close(steps_write)  # the run holds the only write end: its exit ends the reader
+            with site.lock:  # registered, or stopped at once: an interrupt never misses a run that just started
+                site.processes[trajectory] = process
+                site.running += 1
+                stopping = site.stop.is_set()
+            if stopping:
+                stop_group(process)
+            reader = None
+            if agent.entry:
+                reader = threading.Thread(target=submit_steps, daemon=True, args=(
+                    os.fdopen(steps_read, "rb"), proxy.client, submitted, {
+                        "trajectory_id": trajectory, "group_id": group, "channel": run.channel, "model": run.model,
+                        "metadata": {"agent": agent.name, "white_box": True}}))
+                reader.start()
+            if stdin is not None:  # fed aside, so an agent that never reads it still times out
+                threading.Thread(target=feed, args=(process.stdin, stdin), daemon=True).start()
+            outcome = "ok"
+            try:
+                process.wait(timeout=run.timeout)
+            except subprocess.TimeoutExpired:
+                stop_group(process)
+                outcome = "timeout"
+            if reader is not None:
+                reader.join(30)
+            with site.lock:
+                site.processes.pop(trajectory, None)
+                site.running -= 1
+    finally:
+        if mode == "user":
+            iso.end_all(uid)  # nothing of this run lives on to meet the next run of its uid
+        site.slots.put(slot)  # a run that failed to start frees its uid too
+    if site.stop.is_set():
+        return None  # interrupted: the trajectory stays open and runs again next time
+    if outcome == "ok" and (process.returncode != 0 or submitted["errors"]):
+        outcome = "failed"
+    proxy.client.update_trajectory(trajectory, metadata={
+        "exit_status": process.returncode, "outcome": outcome, "duration_s": round(time.time() - started, 3),
+        "workdir": str(workdir), "isolation": mode,
+        **({"submitted_steps": submitted["steps"]} if agent.entry else {}),
+        **({"submit_errors": submitted["errors"][:5]} if submitted["errors"] else {})})
+    # The proxy completes a run only once every call of it is committed: rewards then see every step.
+    for attempt in range(5):
+        try:
+            proxy.client.complete_trajectory(trajectory)
+            return Outcome(trajectory, outcome, committed=True)
+        except ControlError as exc:
+            if exc.status != 503:
+                raise
+            print(f"stepmill: {trajectory}: {exc.message}", file=sys.stderr, flush=True)
+    print(f"stepmill: {trajectory} stays open: its calls were not committed in time", file=sys.stderr)
+    return Outcome(trajectory, outcome, committed=False)
+
+
+PLACEHOLDER = re.compile(r"\{(task|model|workdir|trajectory|group|base_url|origin|python)\}")
+
+
+def fill(template: str, values: dict) -> str:
+    """Only the runner's own placeholders are replaced: other braces (JSON, TOML) stay as written."""
+    return PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def feed(pipe, data: bytes) -> None:
+    try:
+        with pipe:
+            pipe.write(data)
+    except (BrokenPipeError, OSError):
+        pass  # the agent exited without reading its input
+
+
+def submit_steps(stream, client: StepmillClient, submitted: dict, tags: dict) -> None:
+    """A white-box run's steps, one JSON line each on its own pipe, submitted with the runner's
+    credential as they come. Of each line only the ids and what the engine said are taken."""
+    with stream:
+        for index, line in enumerate(stream):
+            try:
+                step = json.loads(line)
+                if not isinstance(step, dict):
+                    raise ValueError("a step is a JSON object")
+                reported = {name: step[name] for name in WHITE_BOX_FIELDS if step.get(name) is not None}
+                first = {"parent_step_id": None} if index == 0 else {}  # a root, even after a cut-short run
+                client.submit_step(**reported, **tags, **first, step_index=index)
+                submitted["steps"] += 1
+            except (ValueError, ControlError) as exc:
+                submitted["errors"].append(f"step {index}: {exc}")
+
+
+def stop_group(process: subprocess.Popen, grace: float = 3.0) -> None:
+    """SIGTERM to the run's process group, SIGKILL after ``grace`` seconds (some agents ignore TERM)."""
+    import signal
+
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            process.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -1,0 +1,211 @@
+"""A node of a Ray rollout, on the Ray node it is pinned to: its proxy and database, its `stepmill serve`,
+its heartbeats to the fleet's coordinator, and the Ray task that makes one run there.
+
+``Node`` is the body of a Ray actor (``ray_executor.py`` wraps it): it starts the node's `stepmill
+proxy` on a SQLite file in ``node_dir`` — a folder on the node's local disk: SQLite's WAL needs a
+local filesystem (NFS and other network filesystems break its shared-memory locking) — and `stepmill
+serve` on the same file for trainers, registers and scores the runs placed on it, and stops both when
+the rollout ends. ``run_on_node`` is a run's Ray task: the same code as a local run (``agent_run.py``),
+against the node's proxy, in a run folder of the node's.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from stepmill.children import die_with_parent, free_port
+from stepmill.private_files import private_opener
+from stepmill.runner.agent_run import Job, Outcome, RunSite, new_runs_root, register, run_one, white_box_tokenizer
+from stepmill.runner.config import Config
+from stepmill.runner.proxy_env import ensure_bundle
+from stepmill.runner.proxy_handle import ProxyHandle, stop_process
+
+HEARTBEAT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Where:
+    """What a run's task needs of its node: the proxy's addresses, its files, the runs' folder."""
+
+    name: str
+    db: str
+    confdir: str
+    proxy_url: str
+    reverse_url: str | None
+    serve_url: str
+    runs_root: str
+    bundle: str
+    ray_node_id: str | None  # the Ray node the node's actor runs on: its runs' tasks are pinned there
+
+
+class Node:
+    """One node of the rollout (one per Ray node it uses): started by the runner, stopped by it."""
+
+    def __init__(self, name: str, config: Config, node_dir: str, coordinator: str | None = None,
+                 heartbeat_s: float = HEARTBEAT_S):
+        self.name, self.config = name, config
+        folder = Path(os.path.expanduser(node_dir))
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        db = str(folder / f"{name}.db")
+        from stepmill.store import Store
+
+        Store(db).close()  # the file and its schema made once, before the proxy's workers open it together
+        # The node's own proxy on its own file; [proxy] confdir and args apply on every node.
+        self.proxy = ProxyHandle(replace(config, proxy={k: v for k, v in config.proxy.items()
+                                                        if k not in ("url", "db")}), db)
+        self.serve = None
+        try:
+            self.serve_url, self.serve = self._start_serve(db)
+            if config.run.policy_version is not None:  # stamped on every step of this node's file
+                self._set_policy_version(config.run.policy_version)
+            self.where = Where(name, db, self.proxy.confdir, self.proxy.url, self.proxy.reverse_url, self.serve_url,
+                               str(new_runs_root()), str(ensure_bundle(self.proxy.confdir)), _ray_node_id())
+            self._stopped = threading.Event()
+            self._fleet = None
+            if coordinator:
+                from stepmill.store.coordinator import Coordinator
+
+                self._fleet = Coordinator(coordinator)
+                self._fleet.register_node(name, self.serve_url)
+                threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True).start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _set_policy_version(self, version: str) -> None:
+        # A proxy of several workers answers health from one while another may still be starting.
+        for attempt in range(5):
+            try:
+                self.proxy.client.set_policy_version(version)
+                return
+            except ConnectionError:
+                if attempt == 4:
+                    raise
+                time.sleep(0.5)
+
+    def _start_serve(self, db: str) -> tuple[str, subprocess.Popen]:
+        """`stepmill serve` on the node's file, on the node's address: trainers on other machines fetch here."""
+        host = _node_address()
+        port = free_port()
+        log = Path(tempfile.gettempdir()) / f"stepmill-node-serve-{port}.log"
+        with open(log, "wb", opener=private_opener) as out:
+            process = subprocess.Popen([sys.executable, "-m", "stepmill.cli", "serve", "--db", db, "--host", host,
+                                        "--port", str(port), "--confdir", self.proxy.confdir],
+                                       stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        url = f"http://{host}:{port}"
+        deadline = time.time() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/v1/health", timeout=5):
+                    return url, process
+            except OSError:
+                if process.poll() is not None or time.time() > deadline:
+                    process.kill()
+                    raise RuntimeError(f"stepmill serve on node {self.name} does not answer (its log: {log})") from None
+                time.sleep(0.2)
+
+    def _heartbeat(self, every: float) -> None:
+        while not self._stopped.wait(every):
+            try:
+                self._fleet.heartbeat(self.name)
+            except Exception as exc:  # the coordinator away for a while: the next beat tries again
+                print(f"stepmill: node {self.name}: heartbeat failed: {exc}", file=sys.stderr, flush=True)
+
+    def info(self) -> Where:
+        return self.where
+
+    def statuses(self, trajectories: list[str]) -> dict[str, str]:
+        """The status of each trajectory this node's file holds (the others are absent)."""
+        from stepmill.store import Store
+
+        store = Store(self.proxy.db, readonly=True)
+        try:
+            found = {t: store.trajectory(t) for t in trajectories}
+            return {t: row["status"] for t, row in found.items() if row}
+        finally:
+            store.close()
+
+    def register(self, jobs: list[Job]) -> dict[str, str]:
+        """Every run placed here registered with the node's proxy before any starts: trajectory -> secret."""
+        from stepmill.store import Store
+
+        store = Store(self.proxy.db, readonly=True)
+        try:
+            return {job.trajectory: register(self.config, self.proxy.client, store, job) for job in jobs}
+        finally:
+            store.close()
+
+    def score(self, specs: list, group: str) -> dict[str, tuple[int, int]]:
+        """The rewards of a group whose runs all finished here, against this node's file: name -> (scored, failed)."""
+        from stepmill.rewards.scoring import score
+        from stepmill.store import Store
+
+        store = Store(self.proxy.db)
+        try:
+            reports = score(store, specs, where="t.group_id = ?", params=[group], progress=False)
+            return {name: (r.scored, r.failed) for name, r in reports.items()}
+        finally:
+            store.close()
+
+    def totals(self, id_prefix: str) -> dict:
+        from stepmill.store import Store
+
+        store = Store(self.proxy.db, readonly=True)
+        try:
+            return store.rollout_totals(id_prefix)
+        finally:
+            store.close()
+
+    def stop(self) -> None:
+        """The node's proxy and serve stop (what they committed stays in the file); heartbeats end."""
+        stopped = getattr(self, "_stopped", None)
+        if stopped is not None:
+            stopped.set()
+        stop_process(self.serve, 15)
+        self.proxy.close()
+        if getattr(self, "_fleet", None) is not None:
+            self._fleet.close()
+
+
+def _ray_node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # not in Ray (a node made by hand, in a test)
+        return None
+
+
+def _node_address() -> str:
+    """This node's address as the cluster knows it (Ray's view), else the host's."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def run_on_node(config: Config, where: Where, mode: str, job: Job, secret: str, slot: int) -> Outcome | None:
+    """A run's Ray task, on its node: exactly a local run, through the node's proxy. Cancelling the task
+    (the runner's Ctrl-C) stops the run's process group; its trajectory stays open for a resume."""
+    proxy = ProxyHandle.reached(url=where.proxy_url, reverse_url=where.reverse_url, confdir=where.confdir,
+                                db=where.db)
+    slots: queue.SimpleQueue = queue.SimpleQueue()
+    slots.put(slot)  # the runner hands out a node's slots: concurrent runs of a node never share a uid
+    site = RunSite(config, proxy, mode, Path(where.runs_root), Path(where.bundle), slots, white_box_tokenizer(config))
+    try:
+        return run_one(site, job, secret)
+    except BaseException:  # KeyboardInterrupt or Ray's cancellation
+        site.stop_all()
+        raise
