@@ -26,7 +26,7 @@ from stepmill.addon.loop_state import LoopState, hook_failed
 from stepmill.addon.siblings import Siblings
 from stepmill.api.control import ControlAPI, Endpoints
 from stepmill.auth.runs import Run
-from stepmill.auth.token import ensure_token
+from stepmill.auth.write_token import ensure_token
 from stepmill.protocols.base import json_bytes
 
 log = logging.getLogger("stepmill")
@@ -46,6 +46,7 @@ class ControlEndpoint:
         self.api: ControlAPI | None = None  # while a pipeline runs: it answers from the pipeline's store
         self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stepmill-control")
         self.siblings: Siblings | None = None  # the other workers, when this is one of several
+        self._add_run = None  # from open: adds a registered run to this worker's table, on the loop
         self._serving: asyncio.Task | None = None
 
     # -- set-up (``PipelineLifecycle`` opens and closes it with the pipeline) -----------------------
@@ -54,8 +55,9 @@ class ControlEndpoint:
         state = self.state
         token = ensure_token(ctx.options.confdir)
         self.siblings = Siblings.from_env(token)
-        self.api = ControlAPI(state.pipeline.store, self.endpoints, token=token,
-                              status=self._status, on_policy_version=state.set_policy_version, on_run=self._on_run)
+        self._add_run = state.on_loop(state.runs.add)
+        self.api = ControlAPI(state.pipeline.store, self.endpoints, token=token, status=self._status,
+                              on_policy_version=state.on_loop(state.set_policy_version), on_run=self._on_run)
         if self.siblings is not None:
             self._serving = asyncio.get_running_loop().create_task(self.siblings.serve(
                 {"barrier": self._sibling_barrier, "run": self._sibling_run, "status": self._sibling_status}))
@@ -69,8 +71,9 @@ class ControlEndpoint:
     # -- in the control thread ------------------------------------------------------------------
     def _on_run(self, run: Run) -> None:
         """A run registered here: this worker and every sibling check its credentials from the next call,
-        whichever worker that call reaches (the siblings are told before the registration is answered)."""
-        self.state.runs.add(run)
+        whichever worker that call reaches (this loop and the siblings are told before the registration is
+        answered)."""
+        self._add_run(run)
         siblings = self.siblings
         if siblings is not None:
             for answer in siblings.tell("run", TELL_TIMEOUT, run=dataclasses.asdict(run)):

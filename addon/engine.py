@@ -13,13 +13,7 @@ import logging
 import ssl
 from dataclasses import dataclass
 
-from stepmill.protocols import anthropic_messages
-
-from stepmill.protocols import openai_chat
-
-from stepmill.protocols import openai_responses
-
-from stepmill.protocols import sglang_generate
+from stepmill.protocols import anthropic_messages, openai_chat, openai_responses, sglang_generate
 
 log = logging.getLogger("stepmill")
 

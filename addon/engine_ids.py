@@ -19,8 +19,8 @@ from mitmproxy.proxy import mode_specs
 
 from stepmill.addon import engine
 from stepmill.addon.loop_state import Capture, hook_failed
-from stepmill.protocols.base import json_bytes
 from stepmill.protocols import anthropic_messages, messages_via_chat, openai_chat
+from stepmill.protocols.base import json_bytes
 
 ENGINE_AUTH_HEADERS = ("authorization", "x-api-key", "api-key")
 

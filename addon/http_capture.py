@@ -23,9 +23,9 @@ from stepmill.addon.loop_state import Capture, LoopState, hook_failed
 from stepmill.addon.stream_tap import StreamTap
 from stepmill.auth.runs import Refused
 from stepmill.pipeline.call_record import Call, CallRecord
-from stepmill.protocols.base import json_bytes
 from stepmill.pipeline.redaction import allowed_headers
 from stepmill.protocols import match, openai_responses
+from stepmill.protocols.base import json_bytes
 
 log = logging.getLogger("stepmill")
 

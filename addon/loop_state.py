@@ -1,15 +1,22 @@
 """What the stepmill addons share on the event loop: the calls in flight and where they are handed.
 
-Everything here is read and changed on mitmproxy's event loop only, so it needs no lock. The
+Everything here is changed on mitmproxy's event loop only, so it needs no lock: the threads that
+learn of a change (the control thread, the state watch) hand it to the loop (``on_loop``), which
+makes the changes in the order they came. The one read from another thread is the control thread's
+status of this worker (``in_flight(None)``, ``pipeline``): a snapshot, a moment old at most. The
 pipeline (the handoff thread, the writer) lives off the loop; ``hand_off`` is the one way a
 finished call reaches it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from stepmill import tags as tagging
 from stepmill.addon import engine
@@ -19,6 +26,8 @@ from stepmill.pipeline.call_record import Call, CallRecord
 from stepmill.pipeline.service import Pipeline
 
 log = logging.getLogger("stepmill")
+
+T = TypeVar("T")
 
 
 def hook_failed(name: str) -> None:
@@ -71,8 +80,24 @@ class LoopState:
         self.inflight: collections.Counter = collections.Counter()
 
     def set_policy_version(self, version: str | None) -> None:
-        """Told by the control API (in its thread) and the state watch (in its own): one assignment."""
+        """Told by the control API and the state watch, through ``on_loop``."""
         self.policy_version = version
+
+    @staticmethod
+    def on_loop(change: Callable[[T], None]) -> Callable[[T], None]:
+        """``change`` as a callback for another thread: made at once when called on the loop (a state
+        watch's first read, as it starts), else queued to the loop. Queued before the control thread
+        answers, a change is made before the answer goes out: a run is checked from the next call on.
+        Call it on the loop."""
+        loop, loop_thread = asyncio.get_running_loop(), threading.get_ident()
+
+        def apply(value: T) -> None:
+            if threading.get_ident() == loop_thread:
+                change(value)
+            else:
+                loop.call_soon_threadsafe(change, value)
+
+        return apply
 
     def began(self, trajectory_id: str | None) -> None:
         self.inflight[trajectory_id] += 1

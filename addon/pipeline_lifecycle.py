@@ -2,8 +2,9 @@
 
 The pipeline (journal, handoff thread, writer) and the state watch (policy version and runs that
 other processes write) start in ``running`` (or at a request that comes first): by then mitmproxy
-has applied and checked every option, so a misspelt value fails before any file is touched. Both run off the loop; the loop
-reaches them through ``LoopState``.
+has applied and checked every option, so a misspelt value fails before any file is touched. Both run
+off the loop; the loop reaches them through ``LoopState``, and the watch's news reaches the loop
+through ``LoopState.on_loop``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class PipelineLifecycle:
         pipeline = Pipeline(ctx.options.stepmill_db, writer=ctx.options.stepmill_writer,
                             priority=ctx.options.stepmill_writer_priority)  # creates or migrates the file
         state.runs = RunTable()
-        self.watch = StateWatch(pipeline.db_path, on_policy_version=state.set_policy_version, on_run=state.runs.add)
+        self.watch = StateWatch(pipeline.db_path, on_policy_version=state.on_loop(state.set_policy_version),
+                                on_run=state.on_loop(state.runs.add))
         state.pipeline = pipeline
         self.control.open()
         log.info(f"stepmill: writing steps to {pipeline.db_path} ({pipeline.writer_kind} writer, "

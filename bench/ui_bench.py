@@ -91,7 +91,7 @@ def fill(store: Store, steps: int, *, batch_groups: int = 20) -> dict:
 
 def store_rewards(conn, runs, rng) -> None:
     from stepmill.store import curation
-    from stepmill.store.db import now_iso
+    from stepmill.store.ids import now_iso
 
     for trajectory, _, group in runs:
         curation.add_reward(conn, "trajectory", trajectory, float(rng.random() < 0.5), source="rule", name="bench",

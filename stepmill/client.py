@@ -16,7 +16,7 @@ import urllib.request
 from typing import Any
 from urllib.parse import quote
 
-from stepmill.auth.token import read_token
+from stepmill.auth.write_token import read_token
 
 CONTROL_HOST = "http://stepmill.local"
 

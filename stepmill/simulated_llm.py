@@ -174,7 +174,7 @@ def function_tools(tools: list | None) -> list[dict]:
     return out
 
 
-class Engine:
+class SimulatedModel:
     """Tokenizer + policy: the request in, the reply's text and exact ids out."""
 
     def __init__(self, tokenizer_folder: str, policy: SimulatedPolicy, delay: float = 0.0):
@@ -217,7 +217,7 @@ def _call_id(prefix: str = "call") -> str:
     return f"{prefix}_{uuid.uuid4().hex[:12]}"
 
 
-def chat_completion(engine: Engine, body: dict) -> tuple[dict, list[dict]]:
+def chat_completion(llm: SimulatedModel, body: dict) -> tuple[dict, list[dict]]:
     """The non-streamed answer and the chunks of the streamed one, for one chat request."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -226,14 +226,14 @@ def chat_completion(engine: Engine, body: dict) -> tuple[dict, list[dict]]:
     if not isinstance(n, int) or not 1 <= n <= 16:
         raise BadRequest("n must be an integer from 1 to 16")
     tools = function_tools(body.get("tools"))
-    prompt = engine.render(messages, tools)
-    prompt_ids = engine.encode(prompt)
+    prompt = llm.render(messages, tools)
+    prompt_ids = llm.encode(prompt)
     want_ids, want_logprobs = bool(body.get("return_token_ids")), bool(body.get("logprobs"))
     rid, model = f"chatcmpl-sim-{uuid.uuid4().hex[:12]}", body.get("model") or MODEL
     base = {"id": rid, "created": int(time.time()), "model": model, "system_fingerprint": "stepmill-simulated"}
     choices, chunks, completion_tokens = [], [], 0
     for index in range(n):
-        reply, ids, logprobs = engine.generate(prompt, tools)
+        reply, ids, logprobs = llm.generate(prompt, tools)
         completion_tokens += len(ids)
         message, finish = {"role": "assistant", "content": reply.content or None}, "stop"
         if reply.tool_call:
@@ -241,11 +241,11 @@ def chat_completion(engine: Engine, body: dict) -> tuple[dict, list[dict]]:
                 "name": reply.tool_call["name"], "arguments": json.dumps(reply.tool_call["arguments"])}}]
             finish = "tool_calls"
         choice = {"index": index, "message": message, "finish_reason": finish,
-                  "logprobs": _chat_logprobs(engine, ids, logprobs) if want_logprobs else None}
+                  "logprobs": _chat_logprobs(llm, ids, logprobs) if want_logprobs else None}
         if want_ids:
             choice["token_ids"] = ids
         choices.append(choice)
-        chunks.extend(_chat_chunks(engine, base, index, message, finish, ids, logprobs, want_ids, want_logprobs))
+        chunks.extend(_chat_chunks(llm, base, index, message, finish, ids, logprobs, want_ids, want_logprobs))
     usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
              "total_tokens": len(prompt_ids) + completion_tokens}
     payload = {**base, "object": "chat.completion", "choices": choices, "usage": usage}
@@ -257,13 +257,13 @@ def chat_completion(engine: Engine, body: dict) -> tuple[dict, list[dict]]:
     return payload, chunks
 
 
-def _chat_logprobs(engine: Engine, ids: list[int], logprobs: list[float]) -> dict:
-    tokens = engine.tokenizer.convert_ids_to_tokens(ids)
+def _chat_logprobs(llm: SimulatedModel, ids: list[int], logprobs: list[float]) -> dict:
+    tokens = llm.tokenizer.convert_ids_to_tokens(ids)
     return {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
                         for t, lp in zip(tokens, logprobs)]}
 
 
-def _chat_chunks(engine, base, index, message, finish, ids, logprobs, want_ids, want_logprobs) -> list[dict]:
+def _chat_chunks(llm, base, index, message, finish, ids, logprobs, want_ids, want_logprobs) -> list[dict]:
     chunk = {**base, "object": "chat.completion.chunk"}
     out = [{**chunk, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                   "finish_reason": None}]}]
@@ -273,7 +273,7 @@ def _chat_chunks(engine, base, index, message, finish, ids, logprobs, want_ids, 
     else:  # four tokens an event, each with the text its tokens add
         pieces, said = [], ""
         for start in range(0, len(ids), 4):
-            text = engine.tokenizer.decode(ids[:start + 4], skip_special_tokens=True)
+            text = llm.tokenizer.decode(ids[:start + 4], skip_special_tokens=True)
             pieces.append((ids[start:start + 4], {"content": text[len(said):]}))
             said = text
     position = 0
@@ -282,30 +282,30 @@ def _chat_chunks(engine, base, index, message, finish, ids, logprobs, want_ids, 
         if want_ids:
             choice["token_ids"] = group
         if want_logprobs:
-            choice["logprobs"] = _chat_logprobs(engine, group, logprobs[position:position + len(group)])
+            choice["logprobs"] = _chat_logprobs(llm, group, logprobs[position:position + len(group)])
         position += len(group)
         out.append({**chunk, "choices": [choice]})
     out.append({**chunk, "choices": [{"index": index, "delta": {}, "finish_reason": finish}]})
     return out
 
 
-def completion(engine: Engine, body: dict) -> dict:
+def completion(llm: SimulatedModel, body: dict) -> dict:
     """A /v1/completions answer; the prompt is text or token ids (token-in, token-out)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
                                                    for i in prompt):
-        if max(prompt) >= len(engine.tokenizer):
-            raise BadRequest(f"token id {max(prompt)} is outside the vocabulary ({len(engine.tokenizer)})")
+        if max(prompt) >= len(llm.tokenizer):
+            raise BadRequest(f"token id {max(prompt)} is outside the vocabulary ({len(llm.tokenizer)})")
         prompt_ids = prompt
-        text = engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        text = llm.tokenizer.decode(prompt_ids, skip_special_tokens=False)
     elif isinstance(prompt, str):
-        text, prompt_ids = prompt, engine.encode(prompt)
+        text, prompt_ids = prompt, llm.encode(prompt)
     else:
         raise BadRequest("prompt must be a string or a list of token ids")
-    reply, ids, logprobs = engine.generate(text, tools_in_prompt(text))
+    reply, ids, logprobs = llm.generate(text, tools_in_prompt(text))
     choice = {"index": 0, "text": reply.text, "finish_reason": "stop",
               "logprobs": None if body.get("logprobs") is None else {
-                  "tokens": engine.tokenizer.convert_ids_to_tokens(ids), "token_logprobs": logprobs,
+                  "tokens": llm.tokenizer.convert_ids_to_tokens(ids), "token_logprobs": logprobs,
                   "top_logprobs": None, "text_offset": None}}
     if body.get("return_token_ids"):
         choice["prompt_token_ids"] = prompt_ids
@@ -340,19 +340,19 @@ def _canonical(parse, body: dict):
         raise BadRequest(str(exc)) from None
 
 
-def anthropic_message(engine: Engine, body: dict) -> tuple[dict, list[tuple[str, dict]]]:
+def anthropic_message(llm: SimulatedModel, body: dict) -> tuple[dict, list[tuple[str, dict]]]:
     """An Anthropic Messages answer and its stream events (``(event name, data)``)."""
     from stepmill.protocols import anthropic_messages
 
     request = _canonical(anthropic_messages.parse_request, body)
     tools = function_tools(body.get("tools"))
-    prompt = engine.render(request.messages, tools)
-    reply, ids, _ = engine.generate(prompt, tools)
+    prompt = llm.render(request.messages, tools)
+    reply, ids, _ = llm.generate(prompt, tools)
     content = [{"type": "text", "text": reply.content}] if reply.content else []
     if reply.tool_call:
         content.append({"type": "tool_use", "id": _call_id("toolu"), "name": reply.tool_call["name"],
                         "input": reply.tool_call["arguments"]})
-    usage = {"input_tokens": len(engine.encode(prompt)), "output_tokens": len(ids)}
+    usage = {"input_tokens": len(llm.encode(prompt)), "output_tokens": len(ids)}
     message = {"id": f"msg_sim_{uuid.uuid4().hex[:12]}", "type": "message", "role": "assistant",
                "model": body.get("model") or MODEL, "content": content,
                "stop_reason": "tool_use" if reply.tool_call else "end_turn", "stop_sequence": None, "usage": usage}
@@ -377,14 +377,14 @@ def anthropic_message(engine: Engine, body: dict) -> tuple[dict, list[tuple[str,
     return message, events
 
 
-def response(engine: Engine, body: dict) -> tuple[dict, list[tuple[str, dict]]]:
+def response(llm: SimulatedModel, body: dict) -> tuple[dict, list[tuple[str, dict]]]:
     """A Responses API answer and its stream events."""
     from stepmill.protocols import openai_responses
 
     request = _canonical(openai_responses.parse_request, body)
     tools = function_tools(body.get("tools"))
-    prompt = engine.render(request.messages, tools)
-    reply, ids, _ = engine.generate(prompt, tools)
+    prompt = llm.render(request.messages, tools)
+    reply, ids, _ = llm.generate(prompt, tools)
     rid = f"resp_sim_{uuid.uuid4().hex[:12]}"
     output = []
     if reply.content:
@@ -395,13 +395,13 @@ def response(engine: Engine, body: dict) -> tuple[dict, list[tuple[str, dict]]]:
         output.append({"type": "function_call", "id": f"fc_sim_{uuid.uuid4().hex[:12]}", "status": "completed",
                        "call_id": _call_id(), "name": reply.tool_call["name"],
                        "arguments": json.dumps(reply.tool_call["arguments"])})
-    prompt_tokens = len(engine.encode(prompt))
+    prompt_tokens = len(llm.encode(prompt))
     done = {"id": rid, "object": "response", "created_at": int(time.time()), "status": "completed",
             "model": body.get("model") or MODEL, "output": output, "usage": {
                 "input_tokens": prompt_tokens, "output_tokens": len(ids), "total_tokens": prompt_tokens + len(ids),
                 "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
     if body.get("enable_response_messages"):  # as vLLM: the prompt's and the sample's exact tokens
-        done["input_messages"] = [{"type": "raw_message_tokens", "message": prompt, "tokens": engine.encode(prompt)}]
+        done["input_messages"] = [{"type": "raw_message_tokens", "message": prompt, "tokens": llm.encode(prompt)}]
         done["output_messages"] = [{"type": "raw_message_tokens", "message": reply.text, "tokens": ids}]
     started = {**done, "status": "in_progress", "output": [], "usage": None, "input_messages": None,
                "output_messages": None}
@@ -441,23 +441,23 @@ def response(engine: Engine, body: dict) -> tuple[dict, list[tuple[str, dict]]]:
     return done, events
 
 
-def tokenize(engine: Engine, body: dict) -> dict:
+def tokenize(llm: SimulatedModel, body: dict) -> dict:
     """vLLM's ``POST /tokenize``: ``prompt`` encoded, or ``messages`` rendered with the chat template."""
     if "messages" in body:
-        text = engine.render(body["messages"], function_tools(body.get("tools")),
+        text = llm.render(body["messages"], function_tools(body.get("tools")),
                              generation_prompt=bool(body.get("add_generation_prompt", True)))
     elif isinstance(body.get("prompt"), str):
         text = body["prompt"]
     else:
         raise BadRequest("tokenize needs 'prompt' or 'messages'")
-    ids = engine.encode(text)
+    ids = llm.encode(text)
     out = {"count": len(ids), "max_model_len": 32768, "tokens": ids}
     if body.get("return_token_strs"):
-        out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+        out["token_strs"] = llm.tokenizer.convert_ids_to_tokens(ids)
     return out
 
 
-def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
+def make_server(llm: SimulatedModel, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "stepmill-simulated-llm"
@@ -487,24 +487,24 @@ def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> Threa
                     raise BadRequest("the body must be a JSON object")
                 path = self.path.split("?", 1)[0].rstrip("/")
                 if path.endswith("/chat/completions"):
-                    payload, chunks = chat_completion(engine, body)
+                    payload, chunks = chat_completion(llm, body)
                     return self._sse([(None, c) for c in chunks] + [(None, "[DONE]")]) if body.get("stream") \
                         else self._json(200, payload)
                 if path.endswith("/completions"):
-                    return self._json(200, completion(engine, body))
+                    return self._json(200, completion(llm, body))
                 if path == "/tokenize":  # vLLM's: a prompt, or chat messages through the template
-                    return self._json(200, tokenize(engine, body))
+                    return self._json(200, tokenize(llm, body))
                 if path.endswith("/messages/count_tokens"):
                     from stepmill.protocols import anthropic_messages
 
                     request = _canonical(anthropic_messages.parse_request, {"messages": [], **body})
-                    prompt = engine.render(request.messages, function_tools(body.get("tools")))
-                    return self._json(200, {"input_tokens": len(engine.encode(prompt))})
+                    prompt = llm.render(request.messages, function_tools(body.get("tools")))
+                    return self._json(200, {"input_tokens": len(llm.encode(prompt))})
                 if path.endswith("/messages"):
-                    payload, events = anthropic_message(engine, body)
+                    payload, events = anthropic_message(llm, body)
                     return self._sse(events) if body.get("stream") else self._json(200, payload)
                 if path.endswith("/responses"):
-                    payload, events = response(engine, body)
+                    payload, events = response(llm, body)
                     return self._sse(events) if body.get("stream") else self._json(200, payload)
                 return self._error(404, f"no route {self.path}")
             except (ValueError, BadRequest) as exc:
@@ -540,8 +540,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from stepmill.qwen_vocab import default_folder
 
-    engine = Engine(args.tokenizer or str(default_folder()), SimulatedPolicy(args.seed), args.delay)
-    server = make_server(engine, args.host, args.port)
+    llm = SimulatedModel(args.tokenizer or str(default_folder()), SimulatedPolicy(args.seed), args.delay)
+    server = make_server(llm, args.host, args.port)
     print(f"{LABEL}\nlistening on http://{args.host}:{server.server_address[1]}/v1", flush=True)
     try:
         server.serve_forever()

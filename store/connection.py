@@ -6,6 +6,7 @@ it read-only and never take the write lock, so they work while another process w
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sqlite3
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ import sqlite_utils
 from stepmill.errors import BadInput, StoreUnavailable
 from stepmill.private_files import private_opener
 from stepmill.store.migrations import MIGRATIONS, migrate, pending
+from stepmill.store.sql_errors import file_errors
 
 BUSY_TIMEOUT_MS = 30000
 CHECKPOINT_MODES = ("PASSIVE", "FULL", "RESTART", "TRUNCATE")
@@ -59,28 +61,47 @@ def open_database(path: str, *, readonly: bool = False) -> tuple[sqlite_utils.Da
                              f"{len(MIGRATIONS)}; open it once with a writer (e.g. `stepmill proxy`) to migrate")
         return db, len(MIGRATIONS)
     _private_database(path)
-    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False, isolation_level=None)
-    db = sqlite_utils.Database(conn)
-    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-    # Steps are rows of a few KB; bigger pages waste less of each page (only takes effect on a new file).
-    conn.execute("PRAGMA page_size = 16384")
-    if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-        db.enable_wal()
-    conn.execute("PRAGMA synchronous = NORMAL")
-    conn.execute("PRAGMA foreign_keys = ON")
-    return db, migrate(db)
+    with _setting_up(path):
+        conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False, isolation_level=None)
+        db = sqlite_utils.Database(conn)
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        # Steps are rows of a few KB; bigger pages waste less of each page (only takes effect on a new file).
+        conn.execute("PRAGMA page_size = 16384")
+        if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+            db.enable_wal()
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute("PRAGMA foreign_keys = ON")
+        return db, migrate(db)
+
+
+@contextmanager
+def _setting_up(path: str) -> Iterator[None]:
+    """One process at a time sets a file up. Processes opening a new file at once (a proxy's workers)
+    would race: switching to WAL and migrating take SQLite's locks in ways its busy handler cannot
+    always wait out ("database is locked"). The lock is on the file's folder (flock), not the file: a
+    descriptor of the database closed here would drop SQLite's own locks of this process on it."""
+    folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(folder)  # releases the flock
 
 
 @contextmanager
 def write_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """One write transaction, taken up front so concurrent writers queue instead of failing."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield conn
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
+    """One write transaction, taken up front so concurrent writers queue instead of failing. A file
+    that takes no writes now (locked past the busy timeout, full, read-only, an I/O error), at any
+    point up to the commit, raises ``StoreUnavailable``: the caller keeps what it meant to write."""
+    with file_errors():
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            if conn.in_transaction:  # SQLite rolls some failures (a full disk) back itself
+                conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
 
 
 class Transactions:
@@ -113,6 +134,22 @@ class Transactions:
                 self._cache.put(key, value)
         finally:
             self._batch = None
+
+    @contextmanager
+    def savepoint(self, name: str) -> Iterator[sqlite3.Connection]:
+        """A part of the current write transaction that a failure undoes alone; the file taking no
+        writes raises ``StoreUnavailable`` here too, so that no caller mistakes it for a bad record."""
+        conn = self.db.conn
+        with file_errors():
+            conn.execute(f"SAVEPOINT {name}")
+            try:
+                yield conn
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute(f"ROLLBACK TO {name}")
+                    conn.execute(f"RELEASE {name}")
+                raise
+            conn.execute(f"RELEASE {name}")
 
     def query(self, sql: str, params: Any = ()) -> list[dict]:
         """Rows of a read query, as dicts (inside the store and in tests; callers ask named methods)."""

@@ -98,10 +98,18 @@ class Consumption:
                          [group, channel, consumer, now_iso(), now + lease_seconds])
         return Claim(group, stale)
 
-    def ack_group(self, consumer: str, group_id: str, *, rows: int) -> None:
-        """Mark the group consumed (``rows``: how many rows the trainer got from it)."""
+    def set_group_rows(self, consumer: str, group_id: str, rows: int) -> None:
+        """How many rows the consumer's batch of a group it holds has, recorded when the batch is made
+        (an ack over HTTP carries no batch to count); nothing when the group is not leased to it."""
         with self.write() as conn:
-            updated = conn.execute("UPDATE consumption SET status = 'acked', acked_at = ?, rows = ? "
+            conn.execute("UPDATE consumption SET rows = ? WHERE group_id = ? AND consumer = ? AND status = 'leased'",
+                         [rows, group_id, consumer])
+
+    def ack_group(self, consumer: str, group_id: str, *, rows: int | None = None) -> None:
+        """Mark the group consumed (``rows``: how many rows the trainer got from it; None keeps what
+        ``set_group_rows`` recorded)."""
+        with self.write() as conn:
+            updated = conn.execute("UPDATE consumption SET status = 'acked', acked_at = ?, rows = coalesce(?, rows) "
                                    "WHERE group_id = ? AND consumer = ? AND status = 'leased'",
                                    [now_iso(), rows, group_id, consumer]).rowcount
             claimed = updated or conn.execute("SELECT 1 FROM consumption WHERE group_id = ?", [group_id]).fetchone()

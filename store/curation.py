@@ -21,6 +21,7 @@ from typing import Any
 from stepmill.errors import BadInput, NotFound
 from stepmill.store.encoding import dumps
 from stepmill.store.ids import now_iso
+from stepmill.store.sql_errors import user_condition
 
 SOURCES = ("rule", "model", "human", "env", "api")
 LABELS = ("good", "bad", "needs-fix")
@@ -174,7 +175,8 @@ class Curation:
         """How many of the selected steps the curation gate keeps, and why it removes the others."""
         sql = f"SELECT {GATE_REASON} AS reason, count(*) FROM steps s"
         if where:
-            sql += f" WHERE {where}"
-        counts = {reason: n for reason, n in self.db.conn.execute(sql + " GROUP BY 1", params)}
+            sql += f" WHERE ({where})"
+        with user_condition(where):
+            counts = {reason: n for reason, n in self.db.conn.execute(sql + " GROUP BY 1", params)}
         kept = counts.pop(None, 0)
         return {"kept": kept, "removed": sum(counts.values()), "removed_by_reason": counts}

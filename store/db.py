@@ -13,6 +13,7 @@
 - ``curation.Curation``: rewards, reviews and the gate
 - ``stats.Stats``: counts
 - ``consumption.Consumption``: trainers' claims and acks of groups
+- ``reviewers.Reviewers``: the UI's named reviewers and their sign-in tokens
 
 ``interface.StoreInterface`` lists what callers use of it (what another backend provides).
 """
@@ -23,21 +24,20 @@ from stepmill.store.blobs import Blobs
 from stepmill.store.connection import Transactions, open_database
 from stepmill.store.consumption import Consumption
 from stepmill.store.curation import Curation
-from stepmill.store.encoding import dumps, loads, packed
-from stepmill.store.export import EXPORT_FIELDS, Export
+from stepmill.store.export import Export
 from stepmill.store.history import History, LRU
-from stepmill.store.ids import new_id, now_iso
+from stepmill.store.reviewers import Reviewers
 from stepmill.store.state import State
 from stepmill.store.stats import Stats
 from stepmill.store.steps import Steps
 from stepmill.store.token_ids import TokenIds
 from stepmill.store.trajectories import Trajectories
 
-__all__ = ["Store", "now_iso", "new_id", "dumps", "loads", "packed", "EXPORT_FIELDS"]
+__all__ = ["Store"]
 
 
 class Store(Transactions, State, Blobs, Trajectories, Steps, TokenIds, History, Export, Curation, Stats,
-            Consumption):
+            Consumption, Reviewers):
     """Read and write step records. Safe to open from several processes at once."""
 
     def __init__(self, path: str, *, cache_size: int = 512, readonly: bool = False):

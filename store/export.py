@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from stepmill.errors import BadInput, NotFound
 from stepmill.store import curation
 from stepmill.store.encoding import loads
-
-# Fields of one exported step, in order (the JSONL export and the control API use them).
-EXPORT_FIELDS = [
-    "step_id", "trajectory_id", "group_id", "parent_step_id", "step_index", "api", "transport", "host",
-    "model", "response_id", "messages", "tools", "completion", "finish_reason", "usage", "status", "error",
-    "ttft_ms", "duration_ms", "started_at", "channel", "policy_version", "reward",
-    "prompt_ids", "response_ids", "logprobs", "token_provenance",
-]
+from stepmill.store.sql_errors import user_rows
 
 
 class Export:
@@ -85,15 +78,17 @@ class Export:
 
     def iter_steps(self, where: str | None = None, params: Any = (), *, with_tokens: bool = True,
                    gate: bool = False, group_id: str | None = None, trajectory_id: str | None = None,
+                   trajectory_ids: Iterable[str] | None = None,
                    rowids: tuple[int, int] | None = None) -> Iterator[dict]:
         """Exported steps in capture order; ``where`` is a SQL condition on the steps table (alias s),
-        a user's (`--where`); ``group_id`` / ``trajectory_id`` keep one group's or one run's steps;
+        a user's (`--where`: ``BadInput`` when SQLite refuses it); ``group_id`` / ``trajectory_id`` keep
+        one group's or one run's steps, ``trajectory_ids`` those of some runs (none when empty);
         ``rowids`` a shard of ``step_shards``. ``gate``: only what the curation gate lets through
         (see ``store/curation.py``)."""
-        condition, params = _selection(where, params, gate, group_id, trajectory_id, rowids)
+        condition, params = _selection(where, params, gate, group_id, trajectory_id, trajectory_ids, rowids)
         sql = ("SELECT s.*, t.reward AS trajectory_reward FROM steps s"
                f" LEFT JOIN trajectories t ON t.id = s.trajectory_id{condition} ORDER BY s.started_at, s.rowid")
-        for row in self.db.query(sql, params):
+        for row in user_rows(where, lambda: self.db.query(sql, params)):
             yield self._export(row, with_tokens=with_tokens)
 
     def step_shards(self, rows: int, where: str | None = None, params: Any = (), *,
@@ -102,11 +97,11 @@ class Export:
         (``iter_steps(..., rowids=shard)`` reads one), so that readers can share a file's steps."""
         if rows < 1:
             raise BadInput("a shard holds at least one step")
-        condition, params = _selection(where, params, gate, None, None, None)
+        condition, params = _selection(where, params, gate, None, None, None, None)
         shards, first, count, last = [], None, 0, None
-        for (rowid,) in self.db.execute(
+        for (rowid,) in user_rows(where, lambda: self.db.execute(
                 "SELECT s.rowid FROM steps s LEFT JOIN trajectories t ON t.id = s.trajectory_id"
-                f"{condition} ORDER BY s.rowid", params):
+                f"{condition} ORDER BY s.rowid", params)):
             first = rowid if first is None else first
             count, last = count + 1, rowid
             if count == rows:
@@ -118,23 +113,28 @@ class Export:
 
 
 def _selection(where: str | None, params: Any, gate: bool, group_id: str | None, trajectory_id: str | None,
-               rowids: tuple[int, int] | None) -> tuple[str, Any]:
+               trajectory_ids: Iterable[str] | None, rowids: tuple[int, int] | None) -> tuple[str, Any]:
     """The WHERE clause (with its leading space, or empty) and parameters of a selection of steps: the
     caller's condition first, then ours, bound by name where the caller's parameters are named."""
     conditions = [f"({where})"] if where else []
     named = isinstance(params, dict)
     params = dict(params) if named else list(params)
-    for name, column, value in (("_group", "s.group_id", group_id), ("_trajectory", "s.trajectory_id", trajectory_id),
-                                ("_from", "s.rowid >=", None if rowids is None else rowids[0]),
-                                ("_to", "s.rowid <=", None if rowids is None else rowids[1])):
-        if value is None:
-            continue
-        operator = "" if column.endswith("=") else " ="
-        conditions.append(f"{column}{operator} :{name}" if named else f"{column}{operator} ?")
+
+    def bind(name: str, value: Any) -> str:
         if named:
             params[name] = value
-        else:
-            params.append(value)
+            return f":{name}"
+        params.append(value)
+        return "?"
+
+    for name, column, value in (("_group", "s.group_id =", group_id), ("_trajectory", "s.trajectory_id =", trajectory_id),
+                                ("_from", "s.rowid >=", None if rowids is None else rowids[0]),
+                                ("_to", "s.rowid <=", None if rowids is None else rowids[1])):
+        if value is not None:
+            conditions.append(f"{column} {bind(name, value)}")
+    if trajectory_ids is not None:
+        marks = [bind(f"_trajectory_{i}", value) for i, value in enumerate(trajectory_ids)]
+        conditions.append(f"s.trajectory_id IN ({', '.join(marks)})")
     if gate:
         conditions.append(f"({curation.GATE_REASON}) IS NULL")
     return (" WHERE " + " AND ".join(conditions) if conditions else ""), params

@@ -3,17 +3,19 @@
 The pipeline, the control API, the trainer bridge, rewards, the runner, the demo and the CLI call
 these and nothing else (``Store.query`` and ``Store.db`` are SQLite's and stay inside store/).
 ``where`` arguments are conditions a user wrote (`--where "s.status = 'ok'"`), in SQL over the
-named table alias; a backend applies them as given.
+named table alias; a backend applies them as given, and raises BadInput (``--where '…': why``)
+for one it cannot run.
 
 Errors, from ``stepmill.errors``: NotFound for an id that does not exist, Conflict for one taken,
 BadInput for a value the store refuses, StoreUnavailable when the database cannot be opened or
-written (missing, too new, opened read-only).
+written now (missing, too new, opened read-only; locked, busy, full, an I/O error): the writer
+keeps its calls in the journal on that one and tries again.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -70,7 +72,8 @@ class StoreInterface(Protocol):
     def complete_trajectory(self, trajectory_id: str, *, reward: float | None = None) -> dict: ...
 
     def completed_trajectories(self, where: str | None = None, params: Any = (), *,
-                               id_prefix: str | None = None) -> list[dict]: ...
+                               id_prefix: str | None = None, group_id: str | None = None) -> list[dict]:
+        """Trajectory rows, oldest first, ``metadata`` decoded."""
 
     def trajectories_in_group(self, group_id: str) -> list[str]: ...
 
@@ -79,6 +82,8 @@ class StoreInterface(Protocol):
     def register_run(self, trajectory_id: str, secret_hash: str) -> dict: ...
 
     def registered_runs(self, after_rowid: int = 0) -> list[dict]: ...
+
+    def run_readiness(self) -> list[dict]: ...
 
     def registered_at(self, trajectory_id: str) -> str | None: ...
 
@@ -128,7 +133,9 @@ class StoreInterface(Protocol):
 
     def iter_steps(self, where: str | None = None, params: Any = (), *, with_tokens: bool = True,
                    gate: bool = False, group_id: str | None = None, trajectory_id: str | None = None,
-                   rowids: tuple[int, int] | None = None) -> Iterator[dict]: ...
+                   trajectory_ids: Iterable[str] | None = None,
+                   rowids: tuple[int, int] | None = None) -> Iterator[dict]:
+        """``trajectory_ids``: only those runs' steps (none for an empty list)."""
 
     def step_shards(self, rows: int, where: str | None = None, params: Any = (), *,
                     gate: bool = False) -> list[tuple[int, int]]: ...
@@ -152,7 +159,17 @@ class StoreInterface(Protocol):
     def claim_group(self, consumer: str, *, channel: str = "train", n: int = 8, lease_seconds: float = 600,
                     max_staleness: int | None = None, now: float | None = None) -> Claim: ...
 
-    def ack_group(self, consumer: str, group_id: str, *, rows: int) -> None: ...
+    def set_group_rows(self, consumer: str, group_id: str, rows: int) -> None:
+        """The row count of the batch made of a group the consumer holds (the ack's, unless it gives one)."""
+
+    def ack_group(self, consumer: str, group_id: str, *, rows: int | None = None) -> None:
+        """``rows`` None keeps what ``set_group_rows`` recorded."""
+
+    # -- reviewers ------------------------------------------------------------------------------
+    def create_reviewer(self, name: str) -> str:
+        """A new sign-in token for ``name`` (replacing any earlier one); only its hash is kept."""
+
+    def reviewer_for_token(self, token: str) -> str | None: ...
 
     # -- stats ----------------------------------------------------------------------------------
     def stats(self) -> dict: ...

@@ -1,29 +1,26 @@
-"""Named reviewer tokens for the UI: shown once when created, kept only as a hash."""
+"""Named reviewer tokens for the UI: shown once when created, kept only as a hash (minted and hashed
+as the runner's run secrets are, ``stepmill.auth.secret_hashes``)."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import secrets
-import sqlite3
+from stepmill.auth.secret_hashes import new_secret, secret_hash, secret_matches
+from stepmill.store.ids import now_iso
 
 
-def _hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+class Reviewers:
+    """Create reviewers and find a sign-in token's; a part of ``Store``."""
 
+    def create_reviewer(self, name: str) -> str:
+        """A new sign-in token for ``name``, replacing any earlier one; only its hash is kept."""
+        token = new_secret()
+        with self.write() as conn:
+            conn.execute("INSERT OR REPLACE INTO reviewers (name, token_hash, created_at) VALUES (?, ?, ?)",
+                         [name, secret_hash(token), now_iso()])
+        return token
 
-def create(conn: sqlite3.Connection, name: str, created_at: str) -> str:
-    """A new token for ``name`` (replacing any earlier one). Call in a write transaction."""
-    token = secrets.token_urlsafe(24)
-    conn.execute("INSERT OR REPLACE INTO reviewers (name, token_hash, created_at) VALUES (?, ?, ?)",
-                 [name, _hash(token), created_at])
-    return token
-
-
-def who(conn: sqlite3.Connection, token: str) -> str | None:
-    """The reviewer a token belongs to, or None."""
-    digest = _hash(token or "")
-    for name, stored in conn.execute("SELECT name, token_hash FROM reviewers"):
-        if hmac.compare_digest(stored, digest):
-            return name
-    return None
+    def reviewer_for_token(self, token: str) -> str | None:
+        """The named reviewer a sign-in token belongs to, or None."""
+        for name, stored in self.db.conn.execute("SELECT name, token_hash FROM reviewers"):
+            if secret_matches(token, stored):
+                return name
+        return None

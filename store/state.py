@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from stepmill.store.sql_errors import file_errors
+
 JOURNAL_PREFIX = "journal:"  # a journal's committed position is kept under journal:<id>
 
 
@@ -11,7 +13,8 @@ class State:
     """Get and set ``state`` keys and the policy version; a part of ``Store``."""
 
     def get_state(self, key: str, default: str | None = None) -> str | None:
-        row = self.db.conn.execute("SELECT value FROM state WHERE key = ?", [key]).fetchone()
+        with file_errors():  # the writer reads its journal's position so before every batch
+            row = self.db.conn.execute("SELECT value FROM state WHERE key = ?", [key]).fetchone()
         return row[0] if row else default
 
     def set_state(self, key: str, value: str | None) -> None:
@@ -53,7 +56,8 @@ class State:
 
     def policy_version_at(self, when: float) -> str | None:
         """The version in effect at ``when`` (epoch seconds): the last one set by then (None before any)."""
-        row = self.db.conn.execute("SELECT version FROM policy_versions WHERE set_at <= ? ORDER BY set_at DESC "
-                                   "LIMIT 1", [when]).fetchone()
+        with file_errors():  # read by the writer for every call it records
+            row = self.db.conn.execute("SELECT version FROM policy_versions WHERE set_at <= ? ORDER BY set_at "
+                                       "DESC LIMIT 1", [when]).fetchone()
         return row[0] if row else None
 

@@ -37,16 +37,9 @@ class Steps:
         if self._batch is None:  # on its own: a batch of one
             with self.batch():
                 return self.record_steps(records)
-        conn = self.db.conn  # inside a batch: one savepoint, so a failure undoes only this call
-        conn.execute("SAVEPOINT record_steps")
         cached: list = []
-        try:
+        with self.savepoint("record_steps") as conn:  # inside a batch: a failure undoes only this call
             ids = [self._insert_step(conn, rec, cached) for rec in records]
-        except BaseException:
-            conn.execute("ROLLBACK TO record_steps")
-            conn.execute("RELEASE record_steps")
-            raise
-        conn.execute("RELEASE record_steps")
         self._batch.extend(cached)
         return ids
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from stepmill.errors import BadInput, NotFound
 from stepmill.store.sequences import pack_ids, pack_logprobs, split_against, unpack_ids, unpack_logprobs
+from stepmill.store.sql_errors import user_condition
 
 # Steps `stepmill tokenize` renders when no condition is given: captured without ids, with an answer.
 UNTOKENIZED = "s.token_provenance = 'none' AND s.completion IS NOT NULL"
@@ -142,10 +143,11 @@ class TokenIds:
         """Ids of the steps to render, parents before children (capture order). ``where``: a user's
         SQL condition on the steps table (alias s); steps with exact ids are never among them."""
         condition = where or (RETOKENIZABLE if redo else UNTOKENIZED)
-        return [row[0] for row in self.db.conn.execute(
-            # The user's condition is parenthesised: an OR in it can never reach engine-sampled (exact) ids.
-            f"SELECT s.id FROM steps s WHERE ({condition}) AND s.token_provenance != 'exact'"
-            " ORDER BY s.started_at, s.rowid", params)]
+        with user_condition(where):
+            return [row[0] for row in self.db.conn.execute(
+                # The user's condition is parenthesised: an OR in it can never reach engine-sampled (exact) ids.
+                f"SELECT s.id FROM steps s WHERE ({condition}) AND s.token_provenance != 'exact'"
+                " ORDER BY s.started_at, s.rowid", params)]
 
     def token_layout(self, step_id: str) -> dict:
         """Where a step's ids come from (``token_provenance``), how many messages it was prompted with

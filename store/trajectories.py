@@ -9,6 +9,7 @@ from stepmill.store import curation
 from stepmill.store.assign import ensure_trajectory, set_trajectory_fields
 from stepmill.store.encoding import dumps, loads
 from stepmill.store.ids import new_id, now_iso
+from stepmill.store.sql_errors import user_condition
 
 
 class Trajectories:
@@ -59,13 +60,21 @@ class Trajectories:
         return self.trajectory(trajectory_id)
 
     def completed_trajectories(self, where: str | None = None, params: Any = (), *,
-                               id_prefix: str | None = None) -> list[dict]:
-        """Rows of the completed trajectories, oldest first (``metadata`` as stored, JSON text).
+                               id_prefix: str | None = None, group_id: str | None = None) -> list[dict]:
+        """Rows of the completed trajectories, oldest first (``metadata`` decoded).
         ``where``: a user's SQL condition on the trajectories table (alias t); ``id_prefix``: only ids
-        that start with it (one rollout's runs)."""
+        that start with it (one rollout's runs); ``group_id``: one group's."""
         condition = "t.status = 'complete'" + (f" AND ({where})" if where else "")
-        rows = self.query(f"SELECT t.* FROM trajectories t WHERE {condition} ORDER BY t.created_at", params)
-        return rows if id_prefix is None else [row for row in rows if row["id"].startswith(id_prefix)]
+        if group_id is not None:  # after the user's condition, so positional parameters keep their places
+            named = isinstance(params, dict)
+            condition += " AND t.group_id = " + (":_group" if named else "?")
+            params = {**params, "_group": group_id} if named else [*params, group_id]
+        with user_condition(where):
+            rows = self.query(f"SELECT t.* FROM trajectories t WHERE {condition} ORDER BY t.created_at", params)
+        rows = rows if id_prefix is None else [row for row in rows if row["id"].startswith(id_prefix)]
+        for row in rows:
+            row["metadata"] = loads(row["metadata"])
+        return rows
 
     def trajectories_in_group(self, group_id: str) -> list[str]:
         """Ids of the group's trajectories."""
@@ -100,6 +109,21 @@ class Trajectories:
         """Registrations newer than ``after_rowid``, oldest first (a later one replaces an earlier)."""
         return self.query("SELECT rowid, trajectory_id, group_id, channel, secret_hash FROM run_credentials"
                           " WHERE rowid > ? ORDER BY rowid", [after_rowid])
+
+    def run_readiness(self) -> list[dict]:
+        """How far each run registered in this file is (what a node reports to the coordinator):
+        trajectory_id, group_id, channel, complete, scored, policy_version, group_size (the group's
+        registered runs here). ``registered_runs`` is another thing: the registrations themselves."""
+        rows = self.query(
+            "SELECT t.id AS trajectory_id, t.group_id, t.channel, t.status = 'complete' AS complete,"
+            " t.reward IS NOT NULL AS scored, t.policy_version,"
+            " (SELECT count(DISTINCT rc2.trajectory_id) FROM run_credentials rc2"
+            "  JOIN trajectories t2 ON t2.id = rc2.trajectory_id WHERE t2.group_id = t.group_id) AS group_size"
+            " FROM trajectories t WHERE t.id IN (SELECT trajectory_id FROM run_credentials)"
+            " AND t.group_id IS NOT NULL ORDER BY t.created_at, t.id")
+        for row in rows:
+            row["complete"], row["scored"] = bool(row["complete"]), bool(row["scored"])
+        return rows
 
     def registered_at(self, trajectory_id: str) -> str | None:
         """When the run's latest attempt was registered (its steps start after), or None."""

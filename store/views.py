@@ -1,26 +1,23 @@
 """The queries behind the UI's pages (lifecycle, live dashboard, charts, groups, step views), and the
 stored queries Datasette lists beside its tables.
 
-Each function takes what the page has, a ``Store`` or a sqlite3 connection (Datasette's
-``execute_fn`` hands one over), and returns plain rows: tuples, dicts or numbers. Shaping the
-rows into pages and charts is the UI's job.
+Each function takes the page's ``Store`` and returns plain rows: tuples, dicts or numbers. Shaping
+the rows into pages and charts is the UI's job.
 """
 
 from __future__ import annotations
 
 import sqlite3
-from typing import TYPE_CHECKING, Any, Iterator, Union
+from typing import TYPE_CHECKING, Any, Iterator
 
-from stepmill.store import curation, reviewers
+from stepmill.store import curation
 
 if TYPE_CHECKING:
     from stepmill.store.db import Store
 
-Source = Union["Store", sqlite3.Connection]
 
-
-def _connection(source: Source) -> sqlite3.Connection:
-    return source if isinstance(source, sqlite3.Connection) else source.db.conn
+def _connection(store: Store) -> sqlite3.Connection:
+    return store.db.conn
 
 
 def _dicts(conn: sqlite3.Connection, sql: str, params: Any = ()) -> list[dict]:
@@ -51,63 +48,44 @@ GROUP BY 1, 2, 3, 4, 5
 """
 
 
-def lifecycle_rows(source: Source) -> list[dict]:
+def lifecycle_rows(store: Store) -> list[dict]:
     """Step counts per stage, grouped by agent, user agent, model, channel and the gate's reason."""
-    return _dicts(_connection(source), LIFECYCLE_PASS)
+    return _dicts(_connection(store), LIFECYCLE_PASS)
 
 
-def trajectory_counts(source: Source) -> dict:
+def trajectory_counts(store: Store) -> dict:
     """Trajectories: total, complete, scored (a trajectory reward recorded) and distinct groups."""
-    row = _connection(source).execute(
+    row = _connection(store).execute(
         "SELECT count(*), sum(status = 'complete'), sum(EXISTS (SELECT 1 FROM rewards r WHERE r.target_kind = "
         "'trajectory' AND r.target_id = t.id AND r.value IS NOT NULL)), count(DISTINCT group_id) FROM trajectories t"
     ).fetchone()
     return dict(zip(["total", "complete", "scored", "groups"], row))
 
 
-def holds(source: Source, kind: str, item_id: str) -> bool:
+def holds(store: Store, kind: str, item_id: str) -> bool:
     """Whether the file holds the step, trajectory or group (a page of several files finds its file so)."""
     sql = {"steps": "SELECT 1 FROM steps WHERE id = ?", "trajectories": "SELECT 1 FROM trajectories WHERE id = ?",
            "groups": "SELECT 1 FROM trajectories WHERE group_id = ? LIMIT 1"}[kind]
-    return _connection(source).execute(sql, [item_id]).fetchone() is not None
+    return _connection(store).execute(sql, [item_id]).fetchone() is not None
 
 
 # -- a node of the fleet: what its file says of the runs a runner registered on it -----------------------
 # One row per registered run (its latest registration), with its group's size on this node: the runner
 # registers every run of a rollout before any starts, so once one is complete the count is whole.
-REGISTERED_RUNS = """
-SELECT t.id AS trajectory_id, t.group_id, t.channel, t.status = 'complete' AS complete,
-  t.reward IS NOT NULL AS scored, t.policy_version,
-  (SELECT count(DISTINCT rc2.trajectory_id) FROM run_credentials rc2 JOIN trajectories t2 ON t2.id = rc2.trajectory_id
-   WHERE t2.group_id = t.group_id) AS group_size
-FROM trajectories t WHERE t.id IN (SELECT trajectory_id FROM run_credentials) AND t.group_id IS NOT NULL
-ORDER BY t.created_at, t.id
-"""
+def steps_by_provenance(store: Store) -> dict:
+    return dict(_connection(store).execute("SELECT token_provenance, count(*) FROM steps GROUP BY 1").fetchall())
 
 
-def registered_runs(source: Source) -> list[dict]:
-    """The runs registered in this file: trajectory_id, group_id, channel, complete, scored, policy_version,
-    group_size (the group's registered runs here)."""
-    rows = _dicts(_connection(source), REGISTERED_RUNS)
-    for row in rows:
-        row["complete"], row["scored"] = bool(row["complete"]), bool(row["scored"])
-    return rows
-
-
-def steps_by_provenance(source: Source) -> dict:
-    return dict(_connection(source).execute("SELECT token_provenance, count(*) FROM steps GROUP BY 1").fetchall())
-
-
-def consumption_by_consumer(source: Source) -> list[dict]:
+def consumption_by_consumer(store: Store) -> list[dict]:
     """Acknowledged groups and rows per consumer, the most recent first."""
-    return _dicts(_connection(source), "SELECT consumer, count(*) AS groups, coalesce(sum(rows), 0) AS rows, "
+    return _dicts(_connection(store), "SELECT consumer, count(*) AS groups, coalesce(sum(rows), 0) AS rows, "
                                        "max(acked_at) AS last FROM consumption WHERE status = 'acked' "
                                        "GROUP BY consumer ORDER BY last DESC")
 
 
-def consumption_count(source: Source, status: str) -> int:
+def consumption_count(store: Store, status: str) -> int:
     """How many groups are in one consumption state (leased, stale, acked)."""
-    return _connection(source).execute("SELECT count(*) FROM consumption WHERE status = ?", [status]).fetchone()[0]
+    return _connection(store).execute("SELECT count(*) FROM consumption WHERE status = ?", [status]).fetchone()[0]
 
 
 # -- the live page ----------------------------------------------------------------------------------
@@ -139,42 +117,42 @@ SELECT iif(s.started_at >= :minute_ago, 'last', 'steps'), json_extract(t.metadat
 """
 
 
-def live_rows(source: Source, since: str, minute_ago: str) -> list[tuple]:
+def live_rows(store: Store, since: str, minute_ago: str) -> list[tuple]:
     """The live window's rows (see ``LIVE``): runs by state, the open runs, steps and tokens per minute."""
-    return _connection(source).execute(LIVE, {"since": since, "minute_ago": minute_ago}).fetchall()
+    return _connection(store).execute(LIVE, {"since": since, "minute_ago": minute_ago}).fetchall()
 
 
 # -- the lifecycle page's charts ----------------------------------------------------------------------
-def step_time_span(source: Source) -> tuple[str | None, str | None]:
+def step_time_span(store: Store) -> tuple[str | None, str | None]:
     """The first and the last step's start time."""
-    return tuple(_connection(source).execute("SELECT min(started_at), max(started_at) FROM steps").fetchone())
+    return tuple(_connection(store).execute("SELECT min(started_at), max(started_at) FROM steps").fetchone())
 
 
-def steps_per_bucket(source: Source, width: int) -> list[tuple[str, int]]:
+def steps_per_bucket(store: Store, width: int) -> list[tuple[str, int]]:
     """Steps per time bucket, a bucket being the first ``width`` characters of the ISO start time."""
-    return _connection(source).execute(
+    return _connection(store).execute(
         f"SELECT substr(started_at, 1, {int(width)}), count(*) FROM steps GROUP BY 1").fetchall()
 
 
-def reward_by_version_and_agent(source: Source) -> list[tuple]:
+def reward_by_version_and_agent(store: Store) -> list[tuple]:
     """(policy version, agent, mean trajectory reward, rewarded trajectories)."""
-    return _connection(source).execute(
+    return _connection(store).execute(
         "SELECT coalesce(policy_version, '(none)'), coalesce(json_extract(metadata, '$.agent'), '(none)'), "
         "avg(reward), count(reward) FROM trajectories WHERE reward IS NOT NULL GROUP BY 1, 2 ORDER BY 1, 2").fetchall()
 
 
-def recent_trajectory_sizes(source: Source, limit: int) -> list[tuple]:
+def recent_trajectory_sizes(store: Store, limit: int) -> list[tuple]:
     """(trajectory id, agent, turns, response tokens) of the ``limit`` newest trajectories."""
-    return _connection(source).execute(
+    return _connection(store).execute(
         "SELECT t.id, coalesce(json_extract(t.metadata, '$.agent'), '(none)'), "
         "(SELECT count(*) FROM steps s WHERE s.trajectory_id = t.id), "
         "(SELECT coalesce(sum(output_tokens), 0) FROM steps s WHERE s.trajectory_id = t.id) "
         "FROM (SELECT * FROM trajectories ORDER BY created_at DESC LIMIT ?) t", [limit]).fetchall()
 
 
-def recent_group_ids(source: Source, limit: int) -> list[str]:
+def recent_group_ids(store: Store, limit: int) -> list[str]:
     """The ``limit`` groups with the newest trajectories (looked for among the latest 500)."""
-    return [g for (g,) in _connection(source).execute(
+    return [g for (g,) in _connection(store).execute(
         "SELECT group_id FROM (SELECT group_id, max(created_at) AS last FROM (SELECT group_id, created_at FROM "
         "trajectories WHERE group_id IS NOT NULL ORDER BY created_at DESC LIMIT 500) GROUP BY 1) "
         "ORDER BY last DESC LIMIT ?", [limit])]
@@ -188,54 +166,49 @@ FROM steps s WHERE s.group_id = ? ORDER BY s.started_at, s.rowid
 """
 
 
-def group_steps(source: Source, group_id: str) -> list[dict]:
+def group_steps(store: Store, group_id: str) -> list[dict]:
     """The group's steps in the order they started, with the gate's reason (None: kept)."""
-    return _dicts(_connection(source), GROUP_STEPS, [group_id])
+    return _dicts(_connection(store), GROUP_STEPS, [group_id])
 
 
-def group_signature(source: Source, group_id: str) -> tuple:
+def group_signature(store: Store, group_id: str) -> tuple:
     """What a group's packing depends on: its steps and the reviews (the gate)."""
-    return tuple(_connection(source).execute("SELECT count(*), max(rowid), (SELECT max(id) FROM reviews) FROM steps "
+    return tuple(_connection(store).execute("SELECT count(*), max(rowid), (SELECT max(id) FROM reviews) FROM steps "
                                              "WHERE group_id = ?", [group_id]).fetchone())
 
 
-def group_rewards(source: Source, group_id: str) -> list[float | None]:
+def group_rewards(store: Store, group_id: str) -> list[float | None]:
     """Each of the group's trajectories' reward (None: not scored)."""
-    return [r for (r,) in _connection(source).execute("SELECT reward FROM trajectories WHERE group_id = ?",
+    return [r for (r,) in _connection(store).execute("SELECT reward FROM trajectories WHERE group_id = ?",
                                                       [group_id])]
 
 
-def group_trajectories(source: Source, group_id: str) -> list[dict]:
+def group_trajectories(store: Store, group_id: str) -> list[dict]:
     """The group's trajectory rows, by id (metadata as stored, JSON text)."""
-    return _dicts(_connection(source), "SELECT * FROM trajectories WHERE group_id = ? ORDER BY id", [group_id])
+    return _dicts(_connection(store), "SELECT * FROM trajectories WHERE group_id = ? ORDER BY id", [group_id])
 
 
-def review_state(source: Source, kind: str, target_id: str) -> dict:
+def review_state(store: Store, kind: str, target_id: str) -> dict:
     """A step's or trajectory's current label, trainable flag, tags and notes."""
-    return curation.review_state(_connection(source), kind, target_id)
+    return curation.review_state(_connection(store), kind, target_id)
 
 
 # -- step and trajectory pages --------------------------------------------------------------------
-def messages_base_len(source: Source, step_id: str) -> int | None:
+def messages_base_len(store: Store, step_id: str) -> int | None:
     """How many of the step's messages its parent's conversation already holds."""
-    row = _connection(source).execute("SELECT messages_base_len FROM steps WHERE id = ?", [step_id]).fetchone()
+    row = _connection(store).execute("SELECT messages_base_len FROM steps WHERE id = ?", [step_id]).fetchone()
     return row[0] if row else None
 
 
-def messages_base_lens(source: Source, trajectory_id: str) -> dict[str, int]:
+def messages_base_lens(store: Store, trajectory_id: str) -> dict[str, int]:
     """``messages_base_len`` of every step of a trajectory, by step id (0 when unknown)."""
-    return {step_id: shared or 0 for step_id, shared in _connection(source).execute(
+    return {step_id: shared or 0 for step_id, shared in _connection(store).execute(
         "SELECT id, messages_base_len FROM steps WHERE trajectory_id = ?", [trajectory_id])}
 
 
 def trajectory_steps(store: Store, trajectory_id: str) -> Iterator[dict]:
     """A trajectory's steps as exported records, without token ids."""
     return store.iter_steps(trajectory_id=trajectory_id, with_tokens=False)
-
-
-def reviewer_for_token(source: Source, token: str) -> str | None:
-    """The named reviewer a sign-in token belongs to, or None."""
-    return reviewers.who(_connection(source), token)
 
 
 # -- Datasette's stored queries (listed on the database page) -----------------------------------------

@@ -235,4 +235,56 @@ def anthropic_client(proxy):
 
 
 # The real vLLM (tests/real_engine.py): one server per session, from .engines/vllm (`.ci/install-engines`).
+
+# The fleet's parts, started once for the session: a real PostgreSQL (a new database per test) and a
+# local Ray cluster of two nodes.
+@pytest.fixture(scope="session")
+def postgres():
+    from .postgres_server import REQUIRE, missing_reason, start_postgres
+
+    reason = missing_reason()
+    if reason:
+        if os.environ.get(REQUIRE, "") not in ("", "0"):
+            pytest.fail(f"{reason} ({REQUIRE} is set: the fleet's tests never skip here)", pytrace=False)
+        pytest.skip(reason)
+    server = start_postgres()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def url(postgres):
+    """A new, empty database on the test PostgreSQL: the coordinator's URL."""
+    return postgres.new_database()
+
+
+@pytest.fixture
+def fleet(url):
+    from stepmill.store.coordinator import Coordinator
+
+    with Coordinator(url) as coordinator:
+        yield coordinator
+
+
+RAY_NODES = 2
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster of ``RAY_NODES`` nodes (one CPU each), this process connected to it."""
+    ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'stepmill[fleet]'")
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    for _ in range(RAY_NODES - 1):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
 from .real_engine import vllm  # noqa: E402,F401

@@ -31,7 +31,7 @@ from stepmill.rewards.scoring import trajectory_input
 
 from stepmill.runner import isolation as iso
 from stepmill.children import free_port
-from stepmill.auth.token import ensure_token
+from stepmill.auth.write_token import ensure_token
 
 from .conftest import STEPMILL, TESTS, answers, http_json, wait_until
 

@@ -2,7 +2,7 @@
 
 import json
 
-from stepmill.store.db import loads
+from stepmill.store.encoding import loads
 
 TOOL = {"name": "get_weather", "description": "Weather for a city",
         "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}

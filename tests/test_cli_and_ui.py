@@ -67,15 +67,37 @@ def _json(ui, path):
 
 
 def test_commands_refuse_a_missing_database(tmp_path):
-    """Every command that works on the steps, tokenize and policy-version too, says the database is not
-    there (one message, exit status 1) and leaves no empty database behind."""
+    """Every command that works on the steps, tokenize, policy-version, reviewer and ui too, says the
+    database is not there (one message, exit status 1) and leaves no empty database behind."""
     db = tmp_path / "typo.db"
     for command in (["stats"], ["export"], ["reward", "some-step", "1"], ["policy-version"],
-                    ["policy-version", "v7"], ["tokenize", "--tokenizer", str(tmp_path)]):
-        done = subprocess.run(STEPMILL + command + ["--db", str(db)], capture_output=True, text=True)
+                    ["policy-version", "v7"], ["tokenize", "--tokenizer", str(tmp_path)], ["reviewer", "ann"],
+                    ["ui", "--port", str(free_port())]):
+        done = subprocess.run(STEPMILL + command + ["--db", str(db)], capture_output=True, text=True, timeout=60)
         assert done.returncode == 1, (command, done.stderr)
         assert done.stderr.strip() == f"Error: no stepmill database at {db}", (command, done.stderr)
         assert not db.exists(), command
+
+
+def test_a_bad_where_or_tokenizer_is_one_line(tmp_path):
+    """A --where SQLite refuses, in tokenize as in export, and a folder without a tokenizer: `Error: …`,
+    exit status 1, no traceback."""
+    from stepmill.qwen_vocab import default_folder
+    from stepmill.store import Store
+
+    db = tmp_path / "steps.db"
+    Store(str(db)).close()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for command, said in (
+            (["export", "--where", "s.nope = 1"], "Error: --where 's.nope = 1': no such column: s.nope"),
+            (["tokenize", "--tokenizer", str(default_folder()), "--where", "s.nope = 1"],
+             "Error: --where 's.nope = 1': no such column: s.nope"),
+            (["tokenize", "--tokenizer", str(empty)], "Error: ")):
+        done = subprocess.run(STEPMILL + command + ["--db", str(db)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1, (command, done.stderr)
+        assert "Traceback" not in done.stderr, (command, done.stderr)
+        assert any(line.startswith(said) for line in done.stderr.splitlines()), (command, done.stderr)
 
 
 def test_ui_answers_json_query_for_a_step(ui, captured):

@@ -125,6 +125,10 @@ def test_a_remote_trainer_pulls_over_http(proxy, marker):
         assert batches[0].tensors["input_ids"].shape == (2, 6)
         assert batches[0].tensors["rollout_log_probs"].dtype.name == "float32"
         assert trainer.claim() is None
+        from stepmill.ui.lifecycle import lifecycle
+
+        consumed = lifecycle(Store(str(proxy.db), readonly=True))["consumed"]["by_consumer"]
+        assert [(c["groups"], c["rows"]) for c in consumed if c["consumer"] == "remote-0"] == [(1, 2)]
         with pytest.raises(urllib.error.HTTPError) as twice:
             trainer.ack(batches[0])  # acknowledged already, when the next batch was asked for
         assert twice.value.code == 409
@@ -171,11 +175,17 @@ def test_the_stores_claims_leases_and_acks(tmp_path):
     assert store.claim_group("b", n=2, now=200.0) == Claim("g")  # a's lease ran out at 115
     with pytest.raises(Conflict, match=r"^group 'g' is not leased to 'a' \(its lease ran out\?\)$"):
         store.ack_group("a", "g", rows=2)
-    store.ack_group("b", "g", rows=2)
+    store.set_group_rows("a", "g", 5)  # a no longer holds it: nothing changes
+    store.set_group_rows("b", "g", 2)  # the batch b was handed had 2 rows
+    store.ack_group("b", "g")  # an ack without a count (over HTTP) keeps it
     with pytest.raises(Conflict):
         store.ack_group("b", "g", rows=2)  # an ack takes effect once
+    group("h", 2, 10)
+    assert store.claim_group("c", n=2, now=10_000.0) == Claim("h")
+    store.set_group_rows("c", "h", 7)
+    store.ack_group("c", "h", rows=3)  # a count given with the ack wins
     assert store.claim_group("c", n=2, now=10_000.0) == Claim(None)
     rows = {r["group_id"]: (r["consumer"], r["status"], r["rows"])
             for r in store.query("SELECT group_id, consumer, status, rows FROM consumption")}
-    assert rows == {"g": ("b", "acked", 2), "old": ("a", "stale", None)}
+    assert rows == {"g": ("b", "acked", 2), "h": ("c", "acked", 3), "old": ("a", "stale", None)}
     store.close()

@@ -195,7 +195,7 @@ def test_ids_with_odd_characters_round_trip(proxy, marker):
 def _in_process(tmp_path):
     """The control API without a proxy: calls answered by ``handle`` directly."""
     from stepmill.api.control import ControlAPI
-    from stepmill.store.db import Store
+    from stepmill.store import Store
 
     return ControlAPI(Store(tmp_path / "control.db"), token="t0ken")
 

@@ -26,7 +26,6 @@ from hypothesis import strategies as st
 
 from stepmill.errors import BadInput, ConfigError, Conflict, NotFound, StoreUnavailable
 
-from .postgres_server import REQUIRE, missing_reason, start_postgres
 
 # Worker processes are forked: real processes (killed with SIGKILL where a test says so) that start at once,
 # without importing stepmill again on a busy machine.
@@ -36,29 +35,7 @@ FORK = multiprocessing.get_context("fork")
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 
 
-@pytest.fixture(scope="module")
-def postgres():
-    reason = missing_reason()
-    if reason:
-        if os.environ.get(REQUIRE, "") not in ("", "0"):
-            pytest.fail(f"{reason} ({REQUIRE} is set: the coordinator's tests never skip here)", pytrace=False)
-        pytest.skip(reason)
-    server = start_postgres()
-    yield server
-    server.stop()
 
-
-@pytest.fixture
-def url(postgres):
-    return postgres.new_database()
-
-
-@pytest.fixture
-def fleet(url):
-    from stepmill.store.coordinator import Coordinator
-
-    with Coordinator(url) as coordinator:
-        yield coordinator
 
 
 def ready(fleet, groups: list[str], *, node: str = "node-a", size: int = 2, channel: str = "train",

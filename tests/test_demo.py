@@ -1,7 +1,11 @@
 """The README's first command: `stepmill demo` runs the whole lifecycle offline, every stage leaves its data."""
 
 import json
+import os
+import signal
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +69,56 @@ def test_init_writes_the_commented_example(tmp_path):
     assert again.returncode != 0 and "--force" in again.stderr
     subprocess.run(STEPMILL + ["init", str(target), "--recipes", "--force"], check=True, capture_output=True)
     assert {"claude-code", "codex", "mini-swe-agent"} <= set(load(target).agents)
+
+
+def test_the_demo_says_how_to_install_a_missing_vllm(tmp_path):
+    """`--engine vllm` without the engine installed: one line saying how to install it, exit status 1."""
+    done = subprocess.run(STEPMILL + ["demo", "--dir", str(tmp_path / "demo"), "--engine", "vllm", "--no-ui"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "STEPMILL_VLLM_PYTHON": str(tmp_path / "no-vllm" / "python")})
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().startswith("Error: vLLM is not installed: run .ci/install-engines"), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def _left_behind(folder: Path) -> list[str]:
+    """Processes that name ``folder`` on their command line or hold a file in it open."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fds = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+        except OSError:
+            continue  # gone, or not ours
+        if str(folder) in cmdline or any(target.startswith(str(folder)) for target in fds):
+            found.append(f"{proc.name}: {cmdline[:200]}")
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_a_stopped_demo_stops_what_it_started(tmp_path):
+    """A plain kill in the middle of the rollouts: the simulated LLM, the proxy and the runs stop, and the
+    command says it was interrupted, with exit status 130."""
+    folder = tmp_path / "demo"
+    process = subprocess.Popen(STEPMILL + ["demo", "--dir", str(folder), "--no-ui", "--tasks", "4"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stdout:
+            if line.startswith("== collect"):
+                break
+        else:
+            raise AssertionError(f"the demo never reached its rollouts: {process.stderr.read()[-3000:]}")
+        time.sleep(2)  # the proxy and the first runs are up
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == "interrupted", stderr[-3000:]
+    assert not (folder / "summary.json").exists()
+    deadline = time.time() + 10
+    while _left_behind(folder) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _left_behind(folder) == []

@@ -16,7 +16,7 @@ def messages_proxy(tmp_path, simulated_llm):
 
 
 def test_an_engines_messages_answer_is_rendered_by_its_own_template(messages_proxy, simulated_llm, marker):
-    from stepmill.simulated_llm import Engine, SimulatedPolicy
+    from stepmill.simulated_llm import SimulatedModel, SimulatedPolicy
 
     client = anthropic.Anthropic(api_key="sk-ant-x", base_url=f"http://127.0.0.1:{messages_proxy.reverse_port}",
                                  max_retries=0)
@@ -25,7 +25,7 @@ def test_an_engines_messages_answer_is_rendered_by_its_own_template(messages_pro
     [step] = messages_proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"])
     assert step["api"] == "anthropic.messages" and step["token_provenance"] == "rendered", step
     assert any("rendered by the engine's own chat template" in n for n in step["metadata"]["notes"])
-    engine = Engine(str(simulated_llm.tokenizer), SimulatedPolicy())
+    engine = SimulatedModel(str(simulated_llm.tokenizer), SimulatedPolicy())
     chat = [{"role": "user", "content": question}]
     assert step["prompt_ids"] == engine.encode(engine.render(chat, []))
     reply = engine.encode(engine.render(chat + [{"role": "assistant", "content": message.content[0].text}], [],

@@ -8,48 +8,23 @@ back, two runners (`stepmill rollout`) sharing one coordinator.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from stepmill.children import free_port
 
 from .conftest import STEPMILL, Proxy, launch_proxy, start_proxy, stop_proxy, wait_until
-from .postgres_server import REQUIRE, missing_reason, start_postgres
+from .fleet_processes import acks_by_group, events, start_consumer, start_serve
 
 
-@pytest.fixture(scope="module")
-def postgres():
-    reason = missing_reason()
-    if reason:
-        if os.environ.get(REQUIRE, "") not in ("", "0"):
-            pytest.fail(f"{reason} ({REQUIRE} is set: the fleet's tests never skip here)", pytrace=False)
-        pytest.skip(reason)
-    server = start_postgres()
-    yield server
-    server.stop()
 
-
-@pytest.fixture
-def url(postgres):
-    return postgres.new_database()
-
-
-@pytest.fixture
-def fleet(url):
-    from stepmill.store.coordinator import Coordinator
-
-    with Coordinator(url) as coordinator:
-        yield coordinator
 
 
 @dataclass
@@ -70,32 +45,13 @@ class Node:
             store.close()
 
 
-def start_serve(node_id: str, proxy: Proxy, url: str, tmp: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = tmp / f"serve-{node_id}.log"
-    process = subprocess.Popen(STEPMILL + ["serve", "--db", str(proxy.db), "--port", str(port), "--confdir",
-                                           str(proxy.confdir), "--node-id", node_id, "--coordinator", url,
-                                           "--heartbeat", "0.3"], stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    serve_url = f"http://127.0.0.1:{port}"
-
-    def up():
-        assert process.poll() is None, log.read_text()
-        try:
-            return urllib.request.urlopen(serve_url + "/v1/health", timeout=2).status == 200
-        except OSError:
-            return False
-
-    wait_until(up, timeout=60, what=f"stepmill serve of {node_id}")
-    return process, serve_url
-
-
 def start_node(tmp: Path, node_id: str, url: str, *, upstream=None, llm=None) -> Node:
     tmp = tmp / node_id
     if upstream is not None:
         proxy = start_proxy(tmp, upstream)
     else:
         proxy = launch_proxy(tmp, llm.url.removesuffix("/v1"), "--set", "termlog_verbosity=warn")
-    serve, serve_url = start_serve(node_id, proxy, url, tmp)
+    serve, serve_url = start_serve(node_id, proxy.db, proxy.confdir, url, tmp)
     return Node(node_id, proxy, serve, serve_url, tmp)
 
 
@@ -119,61 +75,6 @@ def white_box_group(node: Node, group: str, runs: list[str], *, steps: int = 2) 
             client.submit_step(trajectory_id=run, prompt_ids=[1, 2, 3, i], response_ids=[4, 5, 6][:2 + i % 2],
                                logprobs=[-0.1, -0.2, -0.3][:2 + i % 2])
         client.complete_trajectory(run, reward=float(k))
-
-
-# A trainer process: claims through the coordinator, fetches from the nodes, holds each batch ``hold`` s,
-# acknowledges, and writes one JSON line per event; it stops once ``expect`` groups are acknowledged
-# fleet-wide. ``die_holding``: claim one group, say so, and wait to be killed.
-CONSUMER = r"""
-import json, sys, time
-from stepmill.errors import Conflict
-from stepmill.store.coordinator import Coordinator
-from stepmill.trainer_bridge.remote import RemoteConsumer
-
-url, name, tokens, out, hold, lease, expect, die = sys.argv[1:9]
-fleet = Coordinator(url)
-trainer = RemoteConsumer(fleet, name, tokens=json.loads(tokens), lease_s=float(lease), retry_after_s=1)
-with open(out, "a") as log:
-    def say(**event):
-        log.write(json.dumps({"consumer": name, **event}) + "\n")
-        log.flush()
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        batch = trainer.claim()
-        if batch is None:
-            if fleet.counts()["acked"] >= int(expect):
-                break
-            time.sleep(0.1)
-            continue
-        group = batch.meta["group_id"]
-        say(event="claimed", group=group, rows=len(batch), nodes=batch.meta["nodes"],
-            trajectories=sorted(set(batch.meta.get("trajectory_id", []))))
-        if die == "1":
-            time.sleep(3600)
-        time.sleep(float(hold))
-        try:
-            trainer.ack(batch)
-            say(event="acked", group=group, rows=len(batch))
-        except Conflict as exc:
-            say(event="conflict", group=group, error=str(exc))
-    say(event="done", report=dict(trainer.report), failures=trainer.failures)
-"""
-
-
-def start_consumer(url: str, name: str, tokens: dict, out: Path, *, hold: float = 0.05, lease: float = 5,
-                   expect: int = 0, die: bool = False) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CONSUMER, url, name, json.dumps(tokens), str(out), str(hold),
-                             str(lease), str(expect), "1" if die else "0"],
-                            stderr=(out.parent / f"{name}.err").open("wb"))
-
-
-def events(out: Path) -> list[dict]:
-    return [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-
-
-def acks_by_group(fleet, groups) -> Counter:
-    """How many leases of each group ended acknowledged, by the coordinator's history."""
-    return Counter({g: sum(lease["ended"] == "acked" for lease in fleet.history(g)) for g in groups})
 
 
 def rollout_config(tmp: Path, node: Node, llm, dataset: str, tasks: int) -> Path:

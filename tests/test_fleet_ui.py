@@ -17,7 +17,7 @@ import pytest
 
 from .browser import STEPMILL, UI
 from .conftest import wait_until
-from .test_fleet import postgres, start_node, stop_node, white_box_group  # noqa: F401  (the module's PostgreSQL)
+from .test_fleet import start_node, stop_node, white_box_group
 
 
 class FleetUI(UI):

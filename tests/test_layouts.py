@@ -140,3 +140,25 @@ def test_a_verl_dataproto_when_verl_is_installed(proxy, marker):
     proto = batch.to_dataproto()
     assert len(proto) == 2 and proto.batch["input_ids"].shape == batch.tensors["input_ids"].shape
     assert list(proto.non_tensor_batch["uid"]) == [f"verl-grp-{marker}"] * 2
+
+
+def test_a_groups_batch_of_some_runs_and_bad_options(tmp_path):
+    import pytest
+
+    from stepmill.errors import BadInput
+    from stepmill.store import StepRecord, Store
+    from stepmill.trainer_bridge.layouts import group_batch
+    from stepmill.trainer_bridge.parquet import export_parquet
+
+    store = Store(tmp_path / "g.db")
+    for run in ("t-1", "t-2", "t-3"):
+        store.record_step(StepRecord(api="openai.chat", messages=[{"role": "user", "content": run}],
+                                     completion={"role": "assistant", "content": "a"}, trajectory_id=run,
+                                     group_id="g", prompt_ids=[1, 2], response_ids=[3], token_provenance="exact"))
+    batch = group_batch(store, "g", trajectory_ids=["t-3", "t-1"])
+    assert sorted(batch.meta["trajectory_id"]) == ["t-1", "t-3"] and batch.meta["group_id"] == "g"
+    assert len(group_batch(store, "g")) == 3 and len(group_batch(store, "g", trajectory_ids=[])) == 0
+    with pytest.raises(BadInput, match="overlong must be one of"):
+        group_batch(store, "g", overlong="squeeze")
+    with pytest.raises(BadInput, match="flavour must be one of"):
+        export_parquet(store, tmp_path / "out", flavour="pixels")

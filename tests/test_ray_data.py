@@ -13,8 +13,9 @@ import pytest
 from stepmill.store import StepRecord, Store
 from stepmill.trainer_bridge.parquet import export_parquet
 
+from .conftest import RAY_NODES
+
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'stepmill[fleet]'")
-NODES = 3
 
 
 def fill(path: str, node: int) -> None:
@@ -38,28 +39,17 @@ def fill(path: str, node: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    from ray.cluster_utils import Cluster
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(NODES - 1):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        folder = tmp_path_factory.mktemp("fleet")
-        node_ids = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
-        assert len(node_ids) == NODES
-        files = []
-        for index, node_id in enumerate(node_ids):
-            path = str(folder / f"node-{index}.db")
-            fill(path, index)
-            files.append((path, node_id))
-        yield files
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+def node_files(ray_cluster, tmp_path_factory):
+    """(path, Ray node id) of a file on each node of the test cluster."""
+    folder = tmp_path_factory.mktemp("node_files")
+    node_ids = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    assert len(node_ids) == RAY_NODES
+    files = []
+    for index, node_id in enumerate(node_ids):
+        path = str(folder / f"node-{index}.db")
+        fill(path, index)
+        files.append((path, node_id))
+    return files
 
 
 def exported(path: str, flavour: str, tmp_path) -> list[str]:
@@ -68,12 +58,12 @@ def exported(path: str, flavour: str, tmp_path) -> list[str]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flavour", ["tokens", "messages"])
-def test_the_dataset_is_the_sum_of_the_nodes_exports(fleet, flavour, tmp_path):
+def test_the_dataset_is_the_sum_of_the_nodes_exports(node_files, flavour, tmp_path):
     from stepmill.trainer_bridge.ray_data import NodeFile, read_steps
 
-    dataset = read_steps([NodeFile(path, node_id) for path, node_id in fleet], flavour=flavour, rows_per_task=3)
+    dataset = read_steps([NodeFile(path, node_id) for path, node_id in node_files], flavour=flavour, rows_per_task=3)
     rows = dataset.take_all()
-    expected = [step for path, _ in fleet for step in exported(path, flavour, tmp_path)]
+    expected = [step for path, _ in node_files for step in exported(path, flavour, tmp_path)]
     assert dataset.count() == len(expected) == len(rows)
     assert sorted(r["step_id"] for r in rows) == sorted(expected)
     assert not any(r["trajectory_id"].endswith("-g0-r1") for r in rows)  # reviewed bad: the gate holds it back
@@ -82,8 +72,8 @@ def test_the_dataset_is_the_sum_of_the_nodes_exports(fleet, flavour, tmp_path):
         assert not any(r["trajectory_id"].endswith("-plain") for r in rows)
 
 
-def test_shards_cover_a_file_exactly(fleet):
-    path = fleet[-1][0]
+def test_shards_cover_a_file_exactly(node_files):
+    path = node_files[-1][0]
     store = Store(path, readonly=True)
     everything = [s["step_id"] for s in store.iter_steps(with_tokens=False, gate=True)]
     shards = store.step_shards(4, gate=True)
@@ -92,7 +82,7 @@ def test_shards_cover_a_file_exactly(fleet):
     assert sorted(pieces) == sorted(everything)
 
 
-def test_a_task_reads_only_on_its_node(fleet):
+def test_a_task_reads_only_on_its_node(node_files):
     """The scheduling that pins a file's tasks puts them on that node, on every node of the cluster."""
     from stepmill.trainer_bridge.ray_data import _pinned
 
@@ -100,5 +90,5 @@ def test_a_task_reads_only_on_its_node(fleet):
     def where_am_i():
         return ray.get_runtime_context().get_node_id()
 
-    for _, node_id in fleet:
+    for _, node_id in node_files:
         assert ray.get(where_am_i.options(**_pinned(node_id)).remote()) == node_id

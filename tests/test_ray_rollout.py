@@ -16,50 +16,25 @@ import re
 import signal
 import subprocess
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from stepmill.store import Store
 
 from .conftest import STEPMILL, wait_until
-from .postgres_server import REQUIRE, missing_reason, start_postgres
+from .fleet_processes import acks_by_group, events, start_consumer, start_serve
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'stepmill[fleet]'")
 NODES = 2
 TASKS = 4  # n = 2 each: 8 runs, 4 groups, 2 on each node
 
 
-@pytest.fixture(scope="module")
-def postgres():
-    reason = missing_reason()
-    if reason:
-        if os.environ.get(REQUIRE, "") not in ("", "0"):
-            pytest.fail(f"{reason} ({REQUIRE} is set: the fleet's tests never skip here)", pytrace=False)
-        pytest.skip(reason)
-    server = start_postgres()
-    yield server
-    server.stop()
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    from ray.cluster_utils import Cluster
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(NODES - 1):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
-def _config(tmp_path: Path, llm_url: str, marker: str, coordinator: str, cluster, *, command: list | None = None,
+def _config(tmp_path: Path, llm_url: str, marker: str, coordinator: str, ray_cluster, *, command: list | None = None,
             prompts=None) -> Path:
     bundled = (importlib.resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
     tasks = [json.loads(line) for line in bundled[:TASKS]]
@@ -93,7 +68,7 @@ timeout = 120
 model = "qwen-sim"
 policy_version = 3
 executor = "ray"
-ray_address = "{cluster.address}"
+ray_address = "{ray_cluster.address}"
 runs_per_node = 2
 node_dir = "{tmp_path / 'nodes'}"
 coordinator = "{coordinator}"
@@ -151,14 +126,14 @@ def _answers(url: str) -> bool:
 
 
 @pytest.mark.timeout(400)
-def test_runs_on_every_node_each_in_one_file_ready_in_the_coordinator(cluster, postgres, simulated_llm, marker,
+def test_runs_on_every_node_each_in_one_file_ready_in_the_coordinator(ray_cluster, url, simulated_llm, marker,
                                                                       tmp_path):
-    from stepmill.runner.ray_executor import node_names
     from stepmill.store.coordinator import Coordinator
     from stepmill.trainer_bridge.ray_data import NodeFile, read_steps
 
-    url = postgres.new_database()
-    config = _config(tmp_path, simulated_llm.url, marker, url, cluster)
+    from stepmill.runner.ray_executor import node_names
+
+    config = _config(tmp_path, simulated_llm.url, marker, url, ray_cluster)
     done = _rollout(config)
     assert done.returncode == 0, done.stderr
     assert "8 runs finished (0 failed, 0 timed out), 0 done earlier, of 8" in done.stderr, done.stderr
@@ -202,17 +177,48 @@ def test_runs_on_every_node_each_in_one_file_ready_in_the_coordinator(cluster, p
     assert "0 runs finished (0 failed, 0 timed out), 8 done earlier, of 8" in again.stderr
     assert not _left_behind(str(tmp_path / "nodes")), "a node's proxy or serve outlived the rollout"
 
+    # Trainers on the fleet: each node's file served again (the rollout's serves stopped with it), three
+    # RemoteConsumer processes, one killed holding a claim: every group consumed exactly once, every
+    # gated step with ids fetched from the node that holds it.
+    token = (tmp_path / "mitm" / "stepmill-token").read_text().strip()
+    serves = [start_serve(name, path, tmp_path / "mitm", url, tmp_path)[0] for name, path in files.items()]
+    try:
+        groups = {row["group_id"] for rows in held.values() for row in rows.values()}
+        tokens = {name: token for name in files}
+        out = tmp_path / "consumers.jsonl"
+        doomed = start_consumer(url, "doomed", tokens, out, lease=2, die=True)
+        wait_until(lambda: any(e["event"] == "claimed" for e in events(out)), timeout=60, what="a claim")
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait(10)
+        trainers = [start_consumer(url, f"trainer-{k}", tokens, out, hold=0.1, lease=2, expect=len(groups))
+                    for k in range(2)]
+        for trainer in trainers:
+            assert trainer.wait(120) == 0, (tmp_path / "trainer-0.err").read_text()
+        acked = [e for e in events(out) if e["event"] == "acked"]
+        assert Counter(e["group"] for e in acked) == Counter(groups)
+        with Coordinator(url) as fleet:
+            assert acks_by_group(fleet, groups) == Counter(groups)
+        with_ids = 0
+        for path in files.values():
+            store = Store(path, readonly=True)
+            with_ids += sum(1 for s in store.iter_steps(gate=True) if s["response_ids"] is not None)
+            store.close()
+        assert sum(e["rows"] for e in acked) == with_ids > 0
+    finally:
+        for serve in serves:
+            serve.terminate()
+            serve.wait(10)
+
 
 @pytest.mark.timeout(400)
-def test_ctrl_c_stops_every_node_and_resume_runs_what_is_missing(cluster, postgres, simulated_llm, marker,
+def test_ctrl_c_stops_every_node_and_resume_runs_what_is_missing(ray_cluster, url, simulated_llm, marker,
                                                                tmp_path):
     from stepmill.store.coordinator import Coordinator
 
-    url = postgres.new_database()
     # Tasks 3 and 4 are slow: the first two groups finish, the last two are running when Ctrl-C comes.
     prompts = ["quick", "quick", "SLOW", "SLOW"]
     slow = ["{python}", "-c", f"import sys, time; time.sleep(120 if 'SLOW' in sys.stdin.read() else 0)  # {marker}"]
-    config = _config(tmp_path, simulated_llm.url, marker, url, cluster, command=slow, prompts=prompts)
+    config = _config(tmp_path, simulated_llm.url, marker, url, ray_cluster, command=slow, prompts=prompts)
     log = tmp_path / "rollout.log"
     with log.open("wb") as out:  # a file, not a pipe: nothing the runner prints can block it
         process = subprocess.Popen(STEPMILL + ["rollout", str(config), "--no-progress"], stderr=out)
@@ -243,7 +249,7 @@ def test_ctrl_c_stops_every_node_and_resume_runs_what_is_missing(cluster, postgr
         counts = fleet.counts()
         assert (counts["ready"], counts["waiting"]) == (2, 2), counts
 
-    quick = _config(tmp_path, simulated_llm.url, marker, url, cluster,
+    quick = _config(tmp_path, simulated_llm.url, marker, url, ray_cluster,
                     command=["{python}", "-c", "print('done')"], prompts=prompts)
     done = _rollout(quick)
     assert done.returncode == 0, done.stderr

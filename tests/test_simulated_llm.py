@@ -207,6 +207,6 @@ def test_responses_get_exact_ids_from_an_engine(proxy, simulated_llm, marker, st
 
 
 def simulated_llm_engine(simulated_llm):
-    from stepmill.simulated_llm import Engine, SimulatedPolicy
+    from stepmill.simulated_llm import SimulatedModel, SimulatedPolicy
 
-    return Engine(str(simulated_llm.tokenizer), SimulatedPolicy())
+    return SimulatedModel(str(simulated_llm.tokenizer), SimulatedPolicy())

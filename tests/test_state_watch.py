@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stepmill.auth.runs import secret_hash
+from stepmill.auth.secret_hashes import secret_hash
 from stepmill.pipeline.state_watch import StateWatch
 from stepmill.store import Store
 

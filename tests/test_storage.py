@@ -178,6 +178,24 @@ def test_odd_values_never_fail_a_write(tmp_path):
     assert record["usage"]["input_tokens"] is None
 
 
+def test_a_full_database_leaves_the_call_to_the_journal_not_to_an_error_step(tmp_path):
+    """Every fallback of the writer's recording lets the store's StoreUnavailable through: the writer
+    keeps the call in its journal instead of saving a failure step (or losing it)."""
+    from stepmill.pipeline import recording
+
+    store = Store(tmp_path / "full.db")
+    pages = store.db.conn.execute("PRAGMA page_count").fetchone()[0]
+    store.db.conn.execute(f"PRAGMA max_page_count = {pages}")
+    with pytest.raises(StoreUnavailable, match="full"), store.batch():
+        recording.save_bare(store, "openai.chat", "odd call", started=0.0, transport="http",
+                            raw_request=b"x" * 200_000, raw_response=b"")
+    store.db.conn.execute("PRAGMA max_page_count = 1073741823")  # room again: the same call is recorded
+    with store.batch():
+        assert recording.save_bare(store, "openai.chat", "odd call", started=0.0, transport="http",
+                                   raw_request=b"x" * 200_000, raw_response=b"") == "bare"
+    assert [s["started_at"] for s in store.iter_steps()] == ["1970-01-01T00:00:00.000+00:00"]
+
+
 def test_the_hook_failure_check_can_fail():
     from .conftest import addon_failures
 

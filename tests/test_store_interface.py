@@ -2,8 +2,6 @@
 
 import inspect
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,12 +31,6 @@ def test_store_has_every_method_of_the_interface_with_the_same_parameters(tmp_pa
         assert hasattr(Store, name), f"Store has no {name}"
         assert _parameters(getattr(Store, name)) == _parameters(declared), name
     assert isinstance(Store(tmp_path / "i.db"), StoreInterface)
-
-
-def test_import_of_the_store_folder_under_another_name_fails_clearly():
-    done = subprocess.run([sys.executable, "-c", "import store"], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode != 0
-    assert "import stepmill.store, not store" in done.stderr
 
 
 def test_data_version_changes_when_another_connection_commits(tmp_path):
@@ -168,6 +160,7 @@ def test_what_scoring_the_runner_and_the_demo_ask(tmp_path):
                                      is_last=True))
     assert [row["id"] for row in store.completed_trajectories(id_prefix="run-a-")] == ["run-a-1", "run-a-2"]
     assert [row["id"] for row in store.completed_trajectories("t.id = :id", {"id": "other-1"})] == ["other-1"]
+    assert store.completed_trajectories("t.id = ?", ["other-1"])[0]["metadata"] == {"agent": "a", "outcome": "ok"}
     assert store.rollout_totals("run-a-") == {"steps": 2, "output_tokens": 10}
     assert store.rollout_totals("run-a_") == {"steps": 0, "output_tokens": 0}  # a prefix, not a pattern
     store.add_trajectory_rewards([("run-a-1", 1.0, None), ("run-a-2", None, {"error": "boom"})], source="rule",
@@ -180,3 +173,70 @@ def test_what_scoring_the_runner_and_the_demo_ask(tmp_path):
     assert by_agent["a"]["runs"] == 2 and by_agent["a"]["output_tokens"] == 10
     assert store.rewards_by_agent() == [{"agent": "a", "n": 1, "mean": 1.0, "right": 1}]
     assert store.group_reward_ranges() == [{"group_id": "grp", "n": 3, "lo": 1.0, "hi": 1.0}]
+
+
+def test_a_users_bad_condition_is_bad_input_wherever_it_is_applied(tmp_path):
+    store = Store(tmp_path / "w.db")
+    store.record_step(StepRecord(api="openai.chat", messages=USER, completion=ANSWER, trajectory_id="t-1"))
+    store.complete_trajectory("t-1")
+    calls = {"iter_steps": lambda where, params: list(store.iter_steps(where, params)),
+             "step_shards": lambda where, params: store.step_shards(10, where, params),
+             "gate_counts": store.gate_counts,
+             "completed_trajectories": store.completed_trajectories,
+             "steps_to_tokenize": store.steps_to_tokenize}
+    for name, call in calls.items():
+        with pytest.raises(BadInput, match=r"^--where 's.nope = 1': no such column: s.nope$"):
+            call("s.nope = 1", ())
+        with pytest.raises(BadInput, match=r"^--where \"json\('nope'\)\": malformed JSON$"):
+            call("json('nope')", ())  # refused when it runs, not when the query is prepared
+        with pytest.raises(BadInput, match=r"^--where 't.id = :x': "):
+            call("t.id = :x", {})  # a parameter the user named and did not give
+        assert call("1", ()) is not None, name
+
+
+def test_steps_of_some_runs(tmp_path):
+    store = Store(tmp_path / "s.db")
+    for run in ("t-1", "t-2", "t-3"):
+        store.record_step(StepRecord(api="openai.chat", messages=[{"role": "user", "content": run}],
+                                     completion=ANSWER, trajectory_id=run, group_id="g"))
+
+    def runs(*args, **kwargs):
+        return sorted({step["trajectory_id"] for step in store.iter_steps(*args, with_tokens=False, **kwargs)})
+
+    assert runs(trajectory_ids=["t-1", "t-3"]) == ["t-1", "t-3"]
+    assert runs(trajectory_ids=[]) == []
+    assert runs(trajectory_ids=None) == ["t-1", "t-2", "t-3"]
+    assert runs("s.trajectory_id != ?", ["t-1"], trajectory_ids=["t-1", "t-2"], group_id="g") == ["t-2"]
+    assert runs("s.trajectory_id != :t", {"t": "t-1"}, trajectory_ids=("t-1", "t-2")) == ["t-2"]
+    assert runs(trajectory_ids=["t-1 OR 1"]) == []  # ids are bound, never SQL
+
+
+def test_reviewers_sign_in_with_a_token_kept_only_as_its_hash(tmp_path):
+    store = Store(tmp_path / "r.db")
+    token = store.create_reviewer("ada")
+    assert store.reviewer_for_token(token) == "ada"
+    assert store.reviewer_for_token(token + "x") is None and store.reviewer_for_token("") is None
+    assert token not in str(store.query("SELECT * FROM reviewers"))
+    again = store.create_reviewer("ada")  # replaces the earlier one
+    assert store.reviewer_for_token(again) == "ada" and store.reviewer_for_token(token) is None
+    assert Store(tmp_path / "r.db", readonly=True).reviewer_for_token(again) == "ada"
+
+
+def test_a_file_that_takes_no_writes_is_store_unavailable_and_keeps_nothing_half_written(tmp_path):
+    store = Store(tmp_path / "f.db")
+    store.set_state("journal:x", "1:1")
+    pages = store.db.conn.execute("PRAGMA page_count").fetchone()[0]
+    store.db.conn.execute(f"PRAGMA max_page_count = {pages}")  # a full disk, for this connection
+    big = StepRecord(api="openai.chat", messages=[{"role": "user", "content": "x" * 200_000}], completion=ANSWER)
+    with pytest.raises(StoreUnavailable, match="database or disk is full"):
+        store.record_step(big)
+    with pytest.raises(StoreUnavailable, match="database or disk is full"), store.batch():
+        store.set_state("journal:x", "1:2")
+        store.record_step(big)  # inside a batch: its savepoint says so too, never a bad record
+    assert store.get_state("journal:x") == "1:1" and store.stats()["steps"] == 0
+    store.db.conn.execute("PRAGMA max_page_count = 1073741823")
+    store.db.conn.execute("PRAGMA query_only = 1")  # a read-only file
+    with pytest.raises(StoreUnavailable, match="readonly database"):
+        store.set_state("journal:x", "1:3")
+    with pytest.raises(BadInput, match="--where"):  # what a user's condition asks stays the user's fault
+        store.gate_counts("s.nope")

@@ -145,6 +145,14 @@ def test_missing_tokenizer_is_a_clear_error(tmp_path):
     Store(tmp_path / "x.db").close()
     done = tokenize(tmp_path / "x.db", tmp_path / "no-such-tokenizer", "1")
     assert done.returncode != 0 and "no tokenizer at" in done.stderr and "never downloads" in done.stderr
+    assert "Traceback" not in done.stderr
+    from stepmill.errors import ConfigError
+    from stepmill.trainer_bridge.render import load_tokenizer
+
+    with pytest.raises(ConfigError, match="no tokenizer at"):  # a configuration the user gave, said as one
+        load_tokenizer(str(tmp_path / "no-such-tokenizer"))
+    with pytest.raises(ConfigError, match="no tokenizer at"):  # a folder without a usable one
+        load_tokenizer(str(tmp_path))
 
 
 def _mixed_store(path):

@@ -183,3 +183,27 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def _open_fresh(path: str, start: float) -> None:
+    from stepmill.store import Store
+
+    while time.time() < start:  # every process opens at the same moment
+        time.sleep(0.001)
+    Store(path).close()
+
+
+def test_processes_opening_a_new_file_at_once_all_get_it(tmp_path):
+    """Workers start together on a file nobody made yet: each opens it (one sets it up, the others wait)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    for attempt in range(3):
+        path = str(tmp_path / f"fresh-{attempt}.db")
+        start = time.time() + 2.0
+        processes = [context.Process(target=_open_fresh, args=(path, start)) for _ in range(6)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(60)
+        assert [p.exitcode for p in processes] == [0] * 6

@@ -21,7 +21,7 @@ from typing import Iterator
 
 from stepmill.store import Store
 
-from stepmill.trainer_bridge.layouts import Batch, step_batches
+from stepmill.trainer_bridge.layouts import Batch, group_batch
 
 
 class Consumer:
@@ -32,7 +32,7 @@ class Consumer:
                  max_staleness: int | None = None, **layout):
         self.store, self.name, self.n, self.channel = store, name, n, channel
         self.lease_seconds, self.max_staleness = lease_seconds, max_staleness
-        self.layout = {"batch_size": 1 << 30, **layout}  # one batch per group
+        self.layout = layout  # one batch per group
         self.report: Counter = Counter()
         self._acked: set = set()
 
@@ -44,10 +44,9 @@ class Consumer:
             self.report["groups set aside: stale"] += claim.stale
         if claim.group_id is None:
             return None
-        group = claim.group_id
-        batches = list(step_batches(self.store, group_id=group, **self.layout))
-        batch = batches[0] if batches else Batch({}, {"step_id": []})
-        batch.meta["group_id"] = group
+        batch = group_batch(self.store, claim.group_id, **self.layout)
+        # What the group gave, kept with its claim: an ack over HTTP carries no batch to count.
+        self.store.set_group_rows(self.name, claim.group_id, len(batch))
         return batch
 
     def ack(self, batch: Batch) -> None:
@@ -56,7 +55,7 @@ class Consumer:
         claimed it."""
         group = batch.meta["group_id"]
         self._acked.add(group)
-        self.store.ack_group(self.name, group, rows=len(batch))
+        self.store.ack_group(self.name, group)
 
     def __iter__(self) -> Iterator[Batch]:
         """Ready groups until none is left. Asking for the next one acknowledges the one before (a

@@ -21,7 +21,7 @@ import logging
 import threading
 
 from stepmill.errors import Conflict, NotFound, StoreUnavailable
-from stepmill.store import Store, views
+from stepmill.store import Store
 
 log = logging.getLogger("stepmill.fleet")
 
@@ -60,7 +60,7 @@ class NodeAgent(threading.Thread):
             self.fleet.register_node(self.node_id, self.serve_url)
         if self._store is None:
             self._store = Store(self.db_path, readonly=True)
-        runs = {row["trajectory_id"]: row for row in views.registered_runs(self._store)}
+        runs = {row["trajectory_id"]: row for row in self._store.run_readiness()}
         reported = 0
         for run_id, row in runs.items():
             if run_id in self.published or run_id in self.problems or not row["complete"]:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from stepmill.store.db import Store
+from stepmill.errors import BadInput
+from stepmill.store import Store
 
 from stepmill.trainer_bridge.prefix_tree import PackedTree, pack_tree
 
@@ -53,19 +54,21 @@ class Batch:
         return DataProto.from_dict(tensors=self.to_torch(), non_tensors=rows, meta_info={"report": dict(self.report)})
 
 
-def _steps(store: Store, where: str | None, params: Any, group_id: str | None = None) -> Iterator[dict]:
-    yield from store.iter_steps(where, params, with_tokens=True, gate=True, group_id=group_id)
+def _steps(store: Store, where: str | None, params: Any, group_id: str | None = None,
+           trajectory_ids: Iterable[str] | None = None) -> Iterator[dict]:
+    yield from store.iter_steps(where, params, with_tokens=True, gate=True, group_id=group_id,
+                                trajectory_ids=trajectory_ids)
 
 
 def step_batches(store: Store, *, where: str | None = None, params: Any = (), group_id: str | None = None,
-                 batch_size: int = 64,
+                 trajectory_ids: Iterable[str] | None = None, batch_size: int = 64,
                  max_prompt_length: int = 4096, max_response_length: int = 2048, overlong: str = "drop",
                  pad_id: int = 0) -> Iterator[Batch]:
-    """Gated steps with token ids, ``batch_size`` rows at a time."""
+    """Gated steps with token ids, ``batch_size`` rows at a time (``trajectory_ids``: only those runs')."""
     if overlong not in OVERLONG:
-        raise ValueError(f"overlong must be one of {OVERLONG}")
+        raise BadInput(f"overlong must be one of {OVERLONG}")
     rows, report = [], Counter()
-    for step in _steps(store, where, params, group_id):
+    for step in _steps(store, where, params, group_id, trajectory_ids):
         if step["prompt_ids"] is None or step["response_ids"] is None:
             report["left out: no token ids (run stepmill tokenize)"] += 1
             continue
@@ -85,6 +88,16 @@ def step_batches(store: Store, *, where: str | None = None, params: Any = (), gr
             rows, report = [], Counter()
     if rows or report:
         yield _step_batch(rows, report, pad_id)
+
+
+def group_batch(store: Store, group_id: str, *, trajectory_ids: Iterable[str] | None = None, **layout) -> Batch:
+    """A group's gated steps (only those of ``trajectory_ids`` when given) as one step batch, with
+    ``meta["group_id"]``: what a consumer hands a trainer. ``layout``: the options of ``step_batches``."""
+    batches = list(step_batches(store, group_id=group_id, trajectory_ids=trajectory_ids,
+                                **{"batch_size": 1 << 30, **layout}))
+    batch = batches[0] if batches else Batch({}, {"step_id": []})
+    batch.meta["group_id"] = group_id
+    return batch
 
 
 def _step_batch(rows: list, report: Counter, pad_id: int) -> Batch:

@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from stepmill import __version__
+from stepmill.errors import BadInput
 from stepmill.private_files import private_dir, private_opener
-from stepmill.store.db import Store, now_iso
+from stepmill.store import Store
+from stepmill.store.ids import now_iso
 from stepmill.protocols.messages import content_text
 
 FLAVOURS = ("tokens", "messages")
@@ -78,7 +80,7 @@ def export_parquet(store: Store, folder: str | Path, *, flavour: str = "tokens",
     import pyarrow.parquet as pq
 
     if flavour not in FLAVOURS:
-        raise ValueError(f"flavour must be one of {FLAVOURS}")
+        raise BadInput(f"flavour must be one of {FLAVOURS}")
     folder = private_dir(folder)
     row_schema = schema(flavour)
     report, rows, files, step_ids = Counter(), [], [], []

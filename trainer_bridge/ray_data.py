@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from stepmill.errors import BadInput
 from stepmill.trainer_bridge.parquet import FLAVOURS, export_rows, schema
 
 
@@ -72,7 +73,7 @@ def read_steps(files: Iterable[NodeFile | str], *, flavour: str = "tokens", wher
     import ray
 
     if flavour not in FLAVOURS:
-        raise ValueError(f"flavour must be one of {FLAVOURS}")
+        raise BadInput(f"flavour must be one of {FLAVOURS}")
     files = [f if isinstance(f, NodeFile) else NodeFile(str(f)) for f in files]
     plan = ray.remote(num_cpus=0.25)(_plan)
     read = ray.remote(num_cpus=0.25)(_read)

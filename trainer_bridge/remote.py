@@ -60,7 +60,7 @@ class RemoteConsumer:
         self.name, self.channel, self.lease_s, self.retry_after_s = name, channel, lease_s, retry_after_s
         self.timeout, self.layout = timeout, layout
         if token is None and not tokens:
-            from stepmill.auth.token import read_token
+            from stepmill.auth.write_token import read_token
 
             token = read_token(confdir)
         self._token, self._tokens = token, dict(tokens or {})

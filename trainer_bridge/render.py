@@ -11,6 +11,8 @@ import copy
 import json
 from dataclasses import dataclass, field
 
+from stepmill.errors import ConfigError
+
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
 
@@ -29,8 +31,8 @@ def load_tokenizer(path_or_name: str):
 
     try:
         return AutoTokenizer.from_pretrained(path_or_name, local_files_only=True)
-    except OSError as exc:
-        raise ValueError(f"no tokenizer at {path_or_name!r} (a local folder or a model already in the "
+    except (OSError, ValueError) as exc:  # nothing there (OSError), a folder without a usable one (ValueError)
+        raise ConfigError(f"no tokenizer at {path_or_name!r} (a local folder or a model already in the "
                          f"Hugging Face cache; stepmill never downloads): {exc}") from None
 
 

@@ -2,7 +2,7 @@
 
     POST /v1/claim {consumer, n?, channel?, lease_seconds?, max_staleness?}
          → 200 a safetensors file (the batch's arrays; row metadata and counts in its metadata), or 204
-    POST /v1/ack   {consumer, group_id} → 200
+    POST /v1/ack   {consumer, group_id} → 200 (the group's row count was recorded when its batch was made)
     GET  /v1/groups/{group_id}/batch?run=T1&run=T2&max_prompt_length=…&max_response_length=…&overlong=…&pad_id=…
          → 200 the group's gated steps (those of the named runs, all of them without ``run``) as one
          batch, the step layout of ``Consumer``; 404 when a named run is not in this file. The fleet's
@@ -24,13 +24,13 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import numpy as np
 
-from stepmill.auth.token import bearer_matches
+from stepmill.auth.write_token import bearer_matches
 from stepmill.errors import BadInput, Conflict, NotFound
 from stepmill.protocols.http_json import send_body, send_json
 from stepmill.store import Store
 
 from stepmill.trainer_bridge.consume import Consumer, acknowledging
-from stepmill.trainer_bridge.layouts import OVERLONG, Batch, step_batches
+from stepmill.trainer_bridge.layouts import OVERLONG, Batch, group_batch
 
 CLAIM_FIELDS = {"consumer", "n", "channel", "lease_seconds", "max_staleness"}
 # The step layout's options a group's batch may be asked with (query parameters), and their types.
@@ -55,18 +55,14 @@ def layout_options(query: dict[str, list[str]]) -> dict:
     return options
 
 
-def group_batch(store: Store, group_id: str, runs: list[str], **layout) -> Batch:
-    """The group's gated steps (only the named runs' when ``runs`` is not empty) as one step batch."""
+def runs_batch(store: Store, group_id: str, runs: list[str], **layout) -> Batch:
+    """The group's gated steps (only the named runs' when ``runs`` is not empty) as one step batch;
+    ``NotFound`` when a named run is not in this file."""
     if runs:
         missing = sorted(set(runs) - set(store.trajectories_in_group(group_id)))
         if missing:
             raise NotFound(f"run(s) {', '.join(missing[:5])} of group {group_id!r} are not in this node's file")
-    where = f"s.trajectory_id IN ({', '.join('?' * len(runs))})" if runs else None
-    batches = list(step_batches(store, group_id=group_id, where=where, params=list(runs),
-                                **{"batch_size": 1 << 30, **layout}))
-    batch = batches[0] if batches else Batch({}, {"step_id": []})
-    batch.meta["group_id"] = group_id
-    return batch
+    return group_batch(store, group_id, trajectory_ids=runs or None, **layout)
 
 
 def batch_bytes(batch: Batch) -> bytes:
@@ -112,7 +108,7 @@ def make_server(db_path: str, host: str, port: int, token: str) -> ThreadingHTTP
                 return self._error(401, "needs the write token: Authorization: Bearer <token>")
             query = parse_qs(url.query, keep_blank_values=True)
             try:
-                batch = group_batch(self._store(), unquote(parts[3]), query.get("run", []), **layout_options(query))
+                batch = runs_batch(self._store(), unquote(parts[3]), query.get("run", []), **layout_options(query))
             except (BadInput, NotFound) as exc:
                 return self._error(exc.status, str(exc))
             return self._answer(200, batch_bytes(batch), "application/octet-stream")
@@ -139,8 +135,10 @@ def make_server(db_path: str, host: str, port: int, token: str) -> ThreadingHTTP
                 batch.report.update(consumer.report)
                 return self._answer(200, batch_bytes(batch), "application/octet-stream")
             if path == "/v1/ack":
+                if not isinstance(body.get("group_id"), str):
+                    return self._error(400, "give a group_id")
                 try:
-                    Consumer(self._store(), body["consumer"]).ack(Batch({}, {"group_id": body.get("group_id")}))
+                    self._store().ack_group(body["consumer"], body["group_id"])
                 except (Conflict, NotFound) as exc:  # held by another or acknowledged already; never claimed
                     return self._error(exc.status, str(exc))
                 return self._answer(200, b'{"ok": true}')
@@ -158,7 +156,7 @@ class NodeConsumer:
 
     def __init__(self, url: str, name: str, *, token: str | None = None, confdir: str | None = None,
                  timeout: float = 120, **params):
-        from stepmill.auth.token import read_token
+        from stepmill.auth.write_token import read_token
 
         self.url, self.name, self.timeout = url.rstrip("/"), name, timeout
         self.token = token or read_token(confdir)
@@ -197,4 +195,4 @@ class NodeConsumer:
         return Stream()
 
 
-__all__ = ["make_server", "NodeConsumer", "batch_bytes", "batch_from_bytes", "group_batch"]
+__all__ = ["make_server", "NodeConsumer", "batch_bytes", "batch_from_bytes", "runs_batch"]

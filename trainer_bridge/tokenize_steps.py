@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from stepmill.store.db import Store
+from stepmill.store import Store
 
 from stepmill.trainer_bridge.render import Rendered, Renderer, load_tokenizer, template_tools
 

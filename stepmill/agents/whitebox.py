@@ -30,6 +30,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from stepmill.errors import ConfigError
+
 
 class EngineError(RuntimeError):
     pass
@@ -124,7 +126,7 @@ class Session:
 def load_entry(entry: str):
     module, _, name = entry.partition(":")
     if not module or not name:
-        raise ValueError(f"{entry!r}: a white-box agent is 'module:function'")
+        raise ConfigError(f"{entry!r}: a white-box agent is 'module:function'")
     return getattr(importlib.import_module(module), name)
 
 

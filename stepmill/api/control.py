@@ -17,9 +17,9 @@ from typing import Callable
 from stepmill.api import routes
 from stepmill.api.handlers import ApiError, Endpoints, Handlers
 from stepmill.auth.runs import Run
-from stepmill.auth.token import bearer_matches
-from stepmill.errors import BadInput, StepmillError
-from stepmill.store.db import Store
+from stepmill.auth.write_token import bearer_matches
+from stepmill.errors import BadInput, ConfigError, StepmillError
+from stepmill.store import Store
 
 log = logging.getLogger("stepmill")
 
@@ -33,7 +33,7 @@ class ControlAPI(Handlers):
                  on_run: Callable[[Run], None] = lambda run: None):
         """``token``: what every call but anonymous health must carry; the rest as for ``Handlers``."""
         if not token:
-            raise ValueError("the control API needs a write token")
+            raise ConfigError("the control API needs a write token")
         super().__init__(store, endpoints, status=status, on_policy_version=on_policy_version, on_run=on_run)
         self.token = token
 

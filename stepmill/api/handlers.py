@@ -15,11 +15,22 @@ from typing import Callable
 from stepmill import __version__
 from stepmill import tags as tagging
 from stepmill.api.checks import (
-    FEEDBACK_FIELDS, NUMBER, REVIEW_FIELDS, REWARD_FIELDS, STEP_FIELDS, TRAJECTORY_FIELDS, VERSION, check, json_object)
-from stepmill.auth.runs import Run, new_secret, secret_hash
+    FEEDBACK_FIELDS,
+    NUMBER,
+    REVIEW_FIELDS,
+    REWARD_FIELDS,
+    STEP_FIELDS,
+    TRAJECTORY_FIELDS,
+    VERSION,
+    check,
+    json_object,
+)
+from stepmill.auth.runs import Run
+from stepmill.auth.secret_hashes import new_secret, secret_hash
 from stepmill.errors import BadInput, NotFound, StepmillError
 from stepmill.pipeline.journal import stats_with_backlog
-from stepmill.store.db import Store, now_iso
+from stepmill.store import Store
+from stepmill.store.ids import now_iso
 from stepmill.store.records import StepRecord
 
 THUMBS = {"up": 1.0, "down": -1.0}  # feedback thumbs as rewards (README: Curation)
@@ -232,8 +243,6 @@ class Handlers:
                                               reviewer=data["reviewer"])
         except NotFound:
             raise NotFound(f"no step or trajectory {data['target']!r}") from None
-        except ValueError as exc:  # an action or value the store does not know (BadInput among them)
-            raise BadInput(str(exc)) from None
 
     def get_curation(self, body, target):
         try:

@@ -4,31 +4,21 @@ The runner registers each run (trajectory, group, channel) with a fresh secret a
 credentials that carry it. For a registered trajectory, only a credential (proxy user-info or a
 tagged reverse path) with its secret may write; tag headers never override a credential; a
 trajectory nobody registered may not join a registered group. Everything else is tagged as before
-(``tagging.py``). Lookups are dictionary reads and one SHA-256 of a short secret: cheap enough for
+(``stepmill.tags``). Lookups are dictionary reads and one SHA-256 of a short secret: cheap enough for
 the loop. The table is filled by the control API in this process and, for runs registered through
 another proxy on the same file, by a thread that reads new rows off the loop.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import secrets as _secrets
 from dataclasses import dataclass
 
+from stepmill.auth.secret_hashes import secret_matches
 from stepmill.tags import Tags
 
 
 class Refused(Exception):
     """A call that may not be recorded as tagged: answered 403, never written."""
-
-
-def new_secret() -> str:
-    return _secrets.token_urlsafe(24)  # base64url: a token that needs no escaping (tagging.py)
-
-
-def secret_hash(secret: str) -> str:
-    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -40,14 +30,13 @@ class Run:
     rowid: int = 0  # its registration's row: a later one replaces it, an older one never does
 
     def admits(self, secret: str | None) -> bool:
-        return bool(secret) and hmac.compare_digest(secret_hash(secret), self.secret_hash)
+        return secret_matches(secret, self.secret_hash)
 
 
 class RunTable:
     def __init__(self):
         self.runs: dict[str, Run] = {}
         self.groups: set[str] = set()
-        self.seen_rowid = 0  # the last registration read from the store
 
     def add(self, run: Run) -> None:
         known = self.runs.get(run.trajectory_id)

@@ -4,6 +4,8 @@ stand at the top level (``stepmill export``)."""
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from stepmill import __version__
@@ -14,13 +16,19 @@ __all__ = ["main"]
 
 
 class StepmillGroup(click.Group):
-    """The one place a stepmill error becomes ``Error: <message>`` and exit status 1."""
+    """The one place a stepmill error becomes ``Error: <message>`` and exit status 1, and Ctrl-C exit
+    status 130 with the command's word on it (``options.on_interrupt``)."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except StepmillError as exc:
             raise click.ClickException(str(exc)) from None
+        except KeyboardInterrupt:
+            # The command's own clean-up (its finally blocks: children stopped) ran on the way here.
+            command = self.commands.get(ctx.invoked_subcommand or "")
+            click.echo(getattr(command, "interrupted", "interrupted"), err=True)
+            sys.exit(130)
 
 
 @click.group(cls=StepmillGroup)

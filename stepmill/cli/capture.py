@@ -34,7 +34,7 @@ def proxy(port, host, control_port, workers, db, confdir, mitmproxy_args):
     `--set listen_host=…` and `--set listen_port=…` (and mitmdump's `--listen-host`, `--listen-port`, `-p`)
     are the same as `--confdir`, `--db`, `--host`, `--port`.
     """
-    from stepmill.auth.token import ENV, ensure_token, token_path
+    from stepmill.auth.write_token import ENV, ensure_token, token_path
     from stepmill.proxy_master import default_workers, run, supervise
     from stepmill.runner.proxy_env import ensure_bundle, ensure_ca
 
@@ -126,7 +126,7 @@ def token(confdir, show_path):
 
     It is created on the proxy's first start; STEPMILL_TOKEN, when set, is the token instead.
     """
-    from stepmill.auth.token import ENV, ensure_token, token_path
+    from stepmill.auth.write_token import ENV, ensure_token, token_path
 
     if show_path:
         click.echo(f"${ENV}" if os.environ.get(ENV) else token_path(confdir))

@@ -7,8 +7,8 @@ import tempfile
 
 import click
 
-from stepmill.cli.options import address_options, db_option, where_clause, where_options
-from stepmill.cli.stores import open_writer
+from stepmill.cli.options import CurationChoice, address_options, db_option, dbs_option, where_clause, where_options
+from stepmill.cli.stores import open_reader, open_writer
 from stepmill.errors import NotFound
 
 
@@ -16,8 +16,7 @@ from stepmill.errors import NotFound
 @db_option
 @click.argument("target")
 @click.argument("value", type=float)
-@click.option("--source", type=click.Choice(["human", "rule", "model", "env", "api"]), default="human",
-              show_default=True)
+@click.option("--source", type=CurationChoice("SOURCES"), default="human", show_default=True)
 @click.option("--name", help="Who or what gave it (a person, a function).")
 @click.option("--note")
 def reward(db, target, value, source, name, note):
@@ -40,7 +39,7 @@ def reward(db, target, value, source, name, note):
 @click.command()
 @db_option
 @click.argument("target")
-@click.option("--label", type=click.Choice(["good", "bad", "needs-fix"]))
+@click.option("--label", type=CurationChoice("LABELS"))
 @click.option("--trainable/--untrainable", default=None, help="Keep it in, or take it out of, training data.")
 @click.option("--tag", multiple=True)
 @click.option("--note")
@@ -91,20 +90,13 @@ def score(db, config_path, where, params, batch_size):
 @click.option("--url", default="http://127.0.0.1:8001", show_default=True, help="Where `stepmill ui` serves.")
 def reviewer(db, name, url):
     """Create (or replace) a named reviewer's sign-in link for `stepmill ui`."""
-    from stepmill.store import reviewers
-    from stepmill.store.db import now_iso
-
-    store = open_writer(db)
-    with store.write() as conn:
-        token = reviewers.create(conn, name, now_iso())
+    token = open_writer(db).create_reviewer(name)
     click.echo(f"{url.rstrip('/')}/-/stepmill/sign-in?token={token}")
     click.echo(f"(give it to {name} only; running this again replaces it)", err=True)
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.option("--db", "dbs", multiple=True, default=("stepmill.db",), show_default=True, envvar="STEPMILL_DB",
-              type=click.Path(dir_okay=False), help="SQLite file holding the steps; repeat it to browse several "
-              "(a fleet's nodes' files: copies, or a shared filesystem).")
+@dbs_option
 @address_options(8001)
 @click.argument("datasette_args", nargs=-1, type=click.UNPROCESSED)
 def ui(dbs, port, host, datasette_args):
@@ -117,14 +109,13 @@ def ui(dbs, port, host, datasette_args):
     """
     from datasette.cli import cli as datasette_cli
 
-    from stepmill.store import Store
     from stepmill.ui.settings import serve_args
 
-    for db in dbs:
-        if not os.path.exists(db) or os.access(db, os.W_OK):
-            Store(db).close()  # create or migrate the file first, so Datasette sees the full schema
+    for db in dbs:  # a missing file is refused: a mistyped --db must not leave an empty database behind
+        if os.access(db, os.W_OK):
+            open_writer(db).close()  # migrate the file first, so Datasette sees the full schema
         else:
-            Store(db, readonly=True).close()  # a read-only copy: read as it is (reviews there are refused)
+            open_reader(db).close()  # a read-only copy: read as it is (reviews there are refused)
 
     click.echo("stepmill ui: nothing is shown without signing in; yours is the one-time link below "
                "(keep it to yourself), reviewers' come from `stepmill reviewer NAME`", err=True)

@@ -6,14 +6,21 @@ import json
 
 import click
 
-from stepmill.cli.options import address_options, confdir_option, db_option, where_clause, where_options
+from stepmill.cli.options import (
+    address_options,
+    confdir_option,
+    coordinator_option,
+    db_option,
+    json_option,
+    where_clause,
+    where_options,
+)
 from stepmill.cli.stores import open_reader, open_writer
-from stepmill.errors import BadInput
 
 
 @click.command()
 @db_option
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option
 def stats(db, as_json):
     """Counts per api, model and status; trajectories; tokens; token fidelity."""
     from stepmill.pipeline import journal
@@ -55,35 +62,29 @@ def stats(db, as_json):
 @click.option("--no-gate", is_flag=True, help="Export every selected step, also those reviews took out.")
 def export(db, fmt, flavour, out, where, params, no_tokens, no_gate):
     """Write steps (through the curation gate) as JSON Lines, or as Parquet shards with a manifest."""
-    import sqlite3
-
     store = open_reader(db)
     condition, values = where_clause(where, params)
-    try:
-        gate = store.gate_counts(condition, values)
-        if fmt == "parquet":
-            if out == "-":
-                raise click.UsageError("Parquet needs --out FOLDER")
-            from stepmill.trainer_bridge.parquet import export_parquet
+    gate = store.gate_counts(condition, values)  # a --where SQLite refuses is BadInput, from here or below
+    if fmt == "parquet":
+        if out == "-":
+            raise click.UsageError("Parquet needs --out FOLDER")
+        from stepmill.trainer_bridge.parquet import export_parquet
 
-            manifest = export_parquet(store, out, flavour=flavour, where=condition, params=values, gate=not no_gate)
-            count = manifest["rows"]
-            left = ", ".join(f"{n} {why}" for why, n in manifest["left_out"].items())
-            if left:
-                click.echo(f"left out: {left}", err=True)
-        else:
-            count = 0
-            from stepmill.private_files import private_opener
+        manifest = export_parquet(store, out, flavour=flavour, where=condition, params=values, gate=not no_gate)
+        count = manifest["rows"]
+        left = ", ".join(f"{n} {why}" for why, n in manifest["left_out"].items())
+        if left:
+            click.echo(f"left out: {left}", err=True)
+    else:
+        count = 0
+        from stepmill.private_files import private_opener
 
-            stream = click.open_file(out, "w") if out == "-" else \
-                open(out, "w", encoding="utf-8", opener=private_opener)  # owner only, like the database
-            with stream:
-                for record in store.iter_steps(condition, values, with_tokens=not no_tokens, gate=not no_gate):
-                    stream.write(json.dumps(record, ensure_ascii=False) + "\n")
-                    count += 1
-    except sqlite3.Error as exc:
-        # SQLite's own words on the user's condition, said against the option that held it.
-        raise BadInput(f"--where {where!r}: {exc}") from None
+        stream = click.open_file(out, "w") if out == "-" else \
+            open(out, "w", encoding="utf-8", opener=private_opener)  # owner only, like the database
+        with stream:
+            for record in store.iter_steps(condition, values, with_tokens=not no_tokens, gate=not no_gate):
+                stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+                count += 1
     why = ", ".join(f"{n} {reason}" for reason, n in sorted(gate["removed_by_reason"].items()))
     if no_gate:
         click.echo(f"exported {count} steps (gate off; it would remove {gate['removed']}{': ' + why if why else ''})",
@@ -108,11 +109,9 @@ def tokenize(db, tokenizer_path, where, params, splice, redo, batch_size):
     from stepmill.trainer_bridge import tokenize_steps
 
     store = open_writer(db)
-    try:
-        report = tokenize_steps(store, tokenizer_path, where=where, params=dict(params), splice=splice,
-                                redo=redo, batch_size=batch_size)
-    except ValueError as exc:  # the tokenizer loader says "no tokenizer at ..." with a plain ValueError
-        raise BadInput(str(exc)) from None
+    condition, values = where_clause(where, params)
+    report = tokenize_steps(store, tokenizer_path, where=condition, params=values, splice=splice, redo=redo,
+                            batch_size=batch_size)
     click.echo(f"rendered {report.rendered} steps ({report.spliced} spliced), {report.divergent} with template "
                f"divergences, {report.skipped} skipped, {report.failed} failed", err=True)
 
@@ -169,15 +168,14 @@ def batches(db, layout, out_dir, where, params, group_ids, batch_size, max_promp
 @confdir_option
 @click.option("--node-id", help="Serve as this node of a fleet: register with the coordinator, heartbeat, and "
                                 "publish the file's finished runs (group readiness) to it.")
-@click.option("--coordinator", envvar="STEPMILL_COORDINATOR", help="The fleet's PostgreSQL: postgresql://… "
-              "(default $STEPMILL_COORDINATOR); used with --node-id.")
+@coordinator_option
 @click.option("--advertise", help="With --node-id: the URL trainers reach this server at "
                                   "(default http://HOST:PORT).")
 @click.option("--heartbeat", "heartbeat_s", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
               help="With --node-id: seconds between heartbeats (each also publishes newly finished runs).")
 def serve(db, port, host, confdir, node_id, coordinator, advertise, heartbeat_s):
     """Serve the consumption stream over HTTP (claim / acknowledge, a group's batch, batches as safetensors)."""
-    from stepmill.auth.token import ensure_token
+    from stepmill.auth.write_token import ensure_token
     from stepmill.trainer_bridge.serve import make_server
 
     open_writer(db).close()

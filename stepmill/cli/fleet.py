@@ -6,14 +6,13 @@ import json
 
 import click
 
-coordinator_option = click.option("--coordinator", envvar="STEPMILL_COORDINATOR", required=True,
-                                  help="The coordinator's PostgreSQL URL (or STEPMILL_COORDINATOR).")
+from stepmill.cli.options import coordinator_option, json_option
 
 
 @click.command()
 @coordinator_option
 @click.option("--policy-version", "new_version", help="Set the fleet's policy version first.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@json_option
 def fleet(coordinator, new_version, as_json):
     """Nodes, groups by state, and the groups a silent node holds (they are not handed out)."""
     from stepmill.store.coordinator import Coordinator

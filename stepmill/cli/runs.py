@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from stepmill.cli.options import address_options
+from stepmill.cli.options import address_options, config_db_option, on_interrupt
 from stepmill.errors import ConfigError, Conflict
 
 
@@ -17,9 +17,10 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+@on_interrupt("interrupted: what the runs sent is kept; run the same command again to resume")
 @click.command()
 @click.argument("config_path", metavar="CONFIG", type=click.Path(exists=True, dir_okay=False))
-@click.option("--db", default=None, help="SQLite file (default: [proxy] db in the config, else stepmill.db).")
+@config_db_option
 @click.option("--no-progress", is_flag=True)
 def rollout(config_path, db, no_progress):
     """Run every task of the configured dataset n times through the proxy, then score the rewards."""
@@ -30,11 +31,7 @@ def rollout(config_path, db, no_progress):
     # Ctrl-C (and a plain kill) stop the runs cleanly, also where the shell started us with SIGINT ignored.
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        report = run_rollout(config, db=db, progress=not no_progress)
-    except KeyboardInterrupt:
-        click.echo("interrupted: what the runs sent is kept; run the same command again to resume", err=True)
-        sys.exit(130)
+    report = run_rollout(config, db=db, progress=not no_progress)
     click.echo(f"{report.done} runs finished ({report.failed} failed, {report.timed_out} timed out), "
                f"{report.skipped} done earlier, of {report.total}", err=True)
 
@@ -66,17 +63,8 @@ def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait, engine):
     from stepmill.demo.main import run_demo
 
     signal.signal(signal.SIGTERM, _interrupt)  # a plain kill stops the simulated LLM, proxy and UI too
-    try:
-        run_demo(Path(folder), n=rollouts, tasks=tasks, concurrency=concurrency, ui=not no_ui, wait=not no_wait,
-                 ui_port=ui_port, engine=engine)
-    except RuntimeError as exc:
-        # Without vLLM installed, the demo's own words say how to install it.
-        if engine == "vllm" and "install-engines" in str(exc):
-            raise ConfigError(str(exc)) from None
-        raise
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        sys.exit(130)
+    run_demo(Path(folder), n=rollouts, tasks=tasks, concurrency=concurrency, ui=not no_ui, wait=not no_wait,
+             ui_port=ui_port, engine=engine)
 
 
 @click.command()

@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 
 from stepmill.children import die_with_parent, free_port
+from stepmill.errors import ConfigError
 from stepmill.simulated_llm import LABEL, MODEL
 
 REAL_LLM_LINE = 'base_url = "http://your-vllm-host:8000/v1"   # in [route] of {config}'
@@ -148,10 +149,10 @@ class VLLMServer:
 def start_vllm(folder: Path, *, tokenizer: Path | None = None, python: Path | None = None, name: str = VLLM_MODEL,
                max_new_tokens: int = 64, timeout: float = 600) -> VLLMServer:
     """Write the random Qwen2 model into ``folder``/model and serve it with the real vLLM (about two
-    minutes to ready on two cores). Raises with the install command when the engine is missing."""
+    minutes to ready on two cores). ConfigError with the install command when the engine is missing."""
     python = python or vllm_python()
     if python is None:
-        raise RuntimeError(f"vLLM is not installed: run {ENGINE_INSTALL} (it makes .engines/vllm, about 6 GB)")
+        raise ConfigError(f"vLLM is not installed: run {ENGINE_INSTALL} (it makes .engines/vllm, about 6 GB)")
     if tokenizer is None:
         from stepmill.qwen_vocab import default_folder
 
@@ -177,11 +178,11 @@ ISOLATION_SAYS = {
 
 def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6, ui: bool = True,
              wait: bool = True, ui_port: int | None = None, engine: str = "simulated") -> dict:
-    from stepmill.qwen_vocab import default_folder
-    from stepmill.runner.isolation import resolve as resolve_isolation
     from stepmill.private_files import private_dir, private_opener
-    from stepmill.runner.rollout import rollout
+    from stepmill.qwen_vocab import default_folder
     from stepmill.runner.config import load
+    from stepmill.runner.isolation import resolve as resolve_isolation
+    from stepmill.runner.rollout import rollout
 
     started = time.time()
     folder = folder.resolve()
@@ -195,10 +196,10 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
     servers: list[VLLMServer] = []
     summary: dict = {"folder": str(folder), "db": str(db), "engine": engine}
     if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+        raise ConfigError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
     python = vllm_python() if engine == "vllm" else None
     if engine == "vllm" and python is None:
-        raise RuntimeError(f"vLLM is not installed: run {ENGINE_INSTALL} from the project (it makes "
+        raise ConfigError(f"vLLM is not installed: run {ENGINE_INSTALL} from the project (it makes "
                            ".engines/vllm, about 6 GB), or set STEPMILL_VLLM_PYTHON to a vLLM venv's python")
     try:
         say("setup", f"everything goes to {folder}")

@@ -12,7 +12,8 @@ import functools
 from collections import OrderedDict
 from collections.abc import Callable
 
-from stepmill.store.db import Store
+from stepmill.errors import StoreUnavailable
+from stepmill.store import Store
 from stepmill.protocols import ROUTES, Completion, ParsedRequest, ProtocolError
 from stepmill.protocols import openai_responses
 from stepmill.protocols.base import load_json_object
@@ -63,7 +64,7 @@ class Ingest:
     def _write(self, write: Callable[[], str], record: CallRecord, blobs: list[bytes]) -> str:
         try:
             return write()
-        except recording.EnvironmentFailure:
+        except StoreUnavailable:  # the file takes no writes now: the call stays in the journal
             raise
         except Exception as exc:
             return self._unreadable(record, blobs, exc)

@@ -9,12 +9,12 @@ a full step, else an ``error`` step with what did parse and the raw bytes, else 
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
-import sqlite3
 from types import ModuleType
 
-from stepmill.store.db import Store
+from stepmill.errors import StoreUnavailable
+from stepmill.store import Store
+from stepmill.store.ids import iso
 from stepmill.store.records import StepRecord
 
 from stepmill.protocols import Completion, ParsedRequest, ProtocolError
@@ -23,21 +23,9 @@ from stepmill.pipeline.call_record import Call
 from stepmill.pipeline.redaction import redact_bytes, redact_json, redact_text
 
 log = logging.getLogger("stepmill")
-# SQLite errors that say the file cannot be written now (not that this call is odd): the writer
-# keeps the call in the journal and tries again later instead of recording it as a failure.
-_ENVIRONMENT = ("locked", "busy", "full", "disk i/o", "readonly", "read-only", "unable to open")
-
-
-class EnvironmentFailure(Exception):
-    """The database cannot take writes right now; the call stays in the journal."""
-
-
-def _environmental(exc: Exception) -> bool:
-    return isinstance(exc, sqlite3.OperationalError) and any(w in str(exc).lower() for w in _ENVIRONMENT)
-
-
-def iso(ts: float) -> str:
-    return _dt.datetime.fromtimestamp(ts, _dt.UTC).isoformat(timespec="milliseconds")
+# The store raises StoreUnavailable when the file cannot be written now (not that this call is odd):
+# it passes through every layer here, and the writer keeps the call in the journal and tries again
+# later instead of recording it as a failure.
 
 
 def parse_request(module: ModuleType, api: str, raw: bytes) -> tuple[ParsedRequest | None, dict | None, str | None]:
@@ -142,8 +130,6 @@ def record_call(store: Store, call: Call, request: ParsedRequest | None, parse_e
                                http_status=http_status, policy_version=policy_version, keep_raw=keep_raw,
                                raw_request=raw_request, raw_response=raw_response)
     except Exception as exc:
-        if _environmental(exc):
-            raise EnvironmentFailure(str(exc)) from exc
         return save_bare(store, call.api, f"stepmill could not read this call: {type(exc).__name__}: {exc}",
                          started=started, transport=transport, raw_request=raw_request, raw_response=raw_response,
                          call=call)
@@ -157,9 +143,9 @@ def save(store: Store, records: list[StepRecord], call: Call, *, started: float,
     try:
         store.record_steps(records)
         return "full"
+    except StoreUnavailable:
+        raise
     except Exception as exc:
-        if _environmental(exc):
-            raise EnvironmentFailure(str(exc)) from exc
         problem = f"stepmill could not record this call as parsed ({type(exc).__name__}: {exc})"
     log.warning(f"stepmill: kept a call as an error step: {problem}")
     first = records[0] if records else None
@@ -174,9 +160,9 @@ def save(store: Store, records: list[StepRecord], call: Call, *, started: float,
             raw_request=redact_bytes(raw_request), raw_response=redact_bytes(raw_response),
         ))
         return "parsed"
+    except StoreUnavailable:
+        raise
     except Exception as exc:
-        if _environmental(exc):
-            raise EnvironmentFailure(str(exc)) from exc
         problem += f"; keeping what parsed failed too ({type(exc).__name__}: {exc})"
     return save_bare(store, call.api, problem, started=started, transport=transport, raw_request=raw_request,
                      raw_response=raw_response, call=call)
@@ -197,9 +183,9 @@ def save_bare(store: Store, api: str, problem: str, *, started: float, transport
                     "channel": who.tags.channel, "default_channel": who.default_channel,
                     "client_conn": who.client_conn})))
             return "bare"
-        except Exception as exc:
-            if _environmental(exc):
-                raise EnvironmentFailure(str(exc)) from exc
+        except StoreUnavailable:
+            raise
+        except Exception:
             if who is None:
                 log.exception("stepmill: could not record the failure either; the call is lost")
     return "lost"

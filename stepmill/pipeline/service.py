@@ -16,7 +16,7 @@ import time
 from concurrent.futures import Executor
 
 from stepmill.errors import ConfigError
-from stepmill.store.db import Store
+from stepmill.store import Store
 from stepmill.pipeline.call_record import CallRecord
 from stepmill.pipeline.handoff import Handoff
 from stepmill.pipeline.journal import Journal

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 
 from stepmill.auth.runs import Run
-from stepmill.store.db import Store
+from stepmill.store import Store
 
 log = logging.getLogger("stepmill")
 

@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import os
 import select
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -28,12 +27,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from stepmill.errors import StoreUnavailable
-from stepmill.store.db import Store
+from stepmill.store import Store
 from stepmill.pipeline.call_record import CallRecord
 from stepmill.pipeline.handoff import BATCH_WAIT
 from stepmill.pipeline.ingest import Ingest
 from stepmill.pipeline.journal import Journal, state_key
-from stepmill.pipeline.recording import EnvironmentFailure
 
 log = logging.getLogger("stepmill")
 
@@ -105,7 +103,7 @@ class Writer:
                 for write in writes:
                     write()
                 store.set_state(state_key(journal.id), str(entries[-1][0]))
-        except (sqlite3.OperationalError, StoreUnavailable, EnvironmentFailure) as exc:
+        except StoreUnavailable as exc:  # locked, full, read-only: the calls stay in the journal
             if self.failing is None:
                 log.warning(f"stepmill: the database takes no writes now ({exc}); calls stay in the journal")
             self.failing = str(exc)

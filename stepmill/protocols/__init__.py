@@ -5,13 +5,7 @@ from __future__ import annotations
 import re
 from types import ModuleType
 
-from stepmill.protocols import anthropic_messages
-
-from stepmill.protocols import openai_chat
-
-from stepmill.protocols import openai_responses
-
-from stepmill.protocols import sglang_generate
+from stepmill.protocols import anthropic_messages, openai_chat, openai_responses, sglang_generate
 from stepmill.protocols.base import Completion, ParsedRequest, ProtocolError
 
 # (path pattern, api name, module). Paths are matched without the query string, at the end,

@@ -10,7 +10,15 @@ import json
 import re
 from typing import Any
 
-from stepmill.protocols.base import AssistantBuilder, Completion, ParsedRequest, ProtocolError, canonical_content, tool_call, usage_of
+from stepmill.protocols.base import (
+    AssistantBuilder,
+    Completion,
+    ParsedRequest,
+    ProtocolError,
+    canonical_content,
+    tool_call,
+    usage_of,
+)
 
 # WebSocket frames, recognised on the event loop without parsing them: the one that starts a turn
 # and the ones that end it.
@@ -27,7 +35,6 @@ def is_terminal_frame(content: bytes) -> bool:
 
 
 API = "openai.responses"
-TERMINAL_EVENTS = {"response.completed", "response.incomplete", "response.failed", "error"}
 
 
 def _usage(raw):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from stepmill.protocols.base import DoneTerminatedStream, Completion, ParsedRequest, ProtocolError, usage_of
+from stepmill.protocols.base import Completion, DoneTerminatedStream, ParsedRequest, ProtocolError, usage_of
 
 API = "sglang.generate"
 

@@ -28,8 +28,7 @@ from tqdm import tqdm
 
 from stepmill.errors import ConfigError
 from stepmill.store import curation
-from stepmill.store.encoding import loads
-from stepmill.store.db import Store
+from stepmill.store import Store
 
 SPEC_KEYS = {"name", "function", "source", "where", "options"}
 
@@ -98,8 +97,8 @@ def trajectory_input(store: Store, row: dict) -> dict:
     last = steps[-1] if steps else {}
     return {"id": row["id"], "group_id": row["group_id"], "channel": row["channel"],
             # the task's scoring-only fields (answers, tests) join the metadata here, and only here
-            "metadata": {**(loads(row["metadata"]) or {}), **store.scoring_fields(row["id"])}, "messages": (last.get("messages") or []) +
-            ([last["completion"]] if last.get("completion") else []),
+            "metadata": {**(row["metadata"] or {}), **store.scoring_fields(row["id"])},
+            "messages": (last.get("messages") or []) + ([last["completion"]] if last.get("completion") else []),
             "completion": last.get("completion"), "steps": steps}
 
 
@@ -111,10 +110,12 @@ class ScoreReport:
 
 
 def score(store: Store, specs: list[RewardSpec], *, where: str | None = None, params: Any = (),
-          id_prefix: str | None = None, batch_size: int = 32, progress: bool | None = None) -> dict[str, ScoreReport]:
+          id_prefix: str | None = None, group_id: str | None = None, batch_size: int = 32,
+          progress: bool | None = None) -> dict[str, ScoreReport]:
     """Score completed trajectories without a value from each reward yet; one transaction per batch.
-    ``where``: a condition on the trajectories (alias t) given by the user; ``id_prefix``: one rollout's."""
-    rows = store.completed_trajectories(where, params, id_prefix=id_prefix)
+    ``where``: a condition on the trajectories (alias t) given by the user; ``id_prefix``: one rollout's;
+    ``group_id``: one group's."""
+    rows = store.completed_trajectories(where, params, id_prefix=id_prefix, group_id=group_id)
     reports = {}
     for spec in specs:
         report = reports[spec.name] = ScoreReport()

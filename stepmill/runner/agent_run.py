@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stepmill.auth.token import ENV as TOKEN_ENV
+from stepmill.auth.write_token import ENV as TOKEN_ENV
 from stepmill.children import die_with_parent
 from stepmill.client import ControlError, StepmillClient
 from stepmill.runner import isolation as iso

@@ -152,7 +152,7 @@ class Node:
 
         store = Store(self.proxy.db)
         try:
-            reports = score(store, specs, where="t.group_id = ?", params=[group], progress=False)
+            reports = score(store, specs, group_id=group, progress=False)
             return {name: (r.scored, r.failed) for name, r in reports.items()}
         finally:
             store.close()

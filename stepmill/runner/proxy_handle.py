@@ -68,7 +68,7 @@ class ProxyHandle:
         return handle
 
     def _connect(self) -> None:
-        from stepmill.auth.token import ensure_token
+        from stepmill.auth.write_token import ensure_token
 
         ensure_token(self.confdir)  # a proxy started here creates it too; the client reads it now
         # Longer than the proxy's commit barrier (60 s): a complete that waits for it is answered first.

@@ -17,29 +17,26 @@ import numpy as np
 from stepmill.errors import NotFound
 from stepmill.store import Store, views
 from stepmill.store.encoding import loads
+from stepmill.store.ids import iso
 
 OUTCOMES = ("starting", "running", "ok", "failed", "timeout")
 DIMENSIONS = ("agent", "model", "policy_version")
 
 
-def _iso(moment: _dt.datetime) -> str:
-    return moment.isoformat(timespec="milliseconds")
-
-
-def live(source, minutes: int = 30, now: _dt.datetime | None = None) -> dict:
+def live(store: Store, minutes: int = 30, now: _dt.datetime | None = None) -> dict:
     """Runs starting / running / ok / failed / timed out and steps and tokens per minute over the last ``minutes``,
     overall and per agent, model and policy version."""
     now = now or _dt.datetime.now(_dt.UTC)
     since = now - _dt.timedelta(minutes=minutes)
-    since_iso = _iso(since)
+    since_iso = iso(since)
     empty = lambda: {**dict.fromkeys(OUTCOMES, 0), "steps": 0, "tokens": 0, "steps_per_min": 0,
                      "tokens_per_min": 0}
     totals = empty()
     by = {d: defaultdict(empty) for d in DIMENSIONS}
-    minute_keys = [_iso(since + _dt.timedelta(minutes=i))[:16] for i in range(minutes + 1)]
+    minute_keys = [iso(since + _dt.timedelta(minutes=i))[:16] for i in range(minutes + 1)]
     series: dict = defaultdict(lambda: dict.fromkeys(minute_keys, 0))
     running = []
-    rows = views.live_rows(source, since_iso, _iso(now - _dt.timedelta(minutes=1)))
+    rows = views.live_rows(store, since_iso, iso(now - _dt.timedelta(minutes=1)))
     for kind, agent, model, version, bucket, n, tokens, trajectory in rows:
         keys = {"agent": agent or "(none)", "model": model or "(none)", "policy_version": str(version or "(none)")}
         if kind == "running":
@@ -63,7 +60,7 @@ def live(source, minutes: int = 30, now: _dt.datetime | None = None) -> dict:
                 row["tokens_per_min"] += tokens
         if bucket in minute_keys:
             series[keys["agent"]][bucket] += n
-    return {"minutes": minutes, "since": since_iso, "now": _iso(now), "totals": totals,
+    return {"minutes": minutes, "since": since_iso, "now": iso(now), "totals": totals,
             "by": {d: [{"key": k, **v} for k, v in sorted(rows.items())] for d, rows in by.items()},
             "series": {"minutes": [k[11:] for k in minute_keys],
                        "steps": {agent: list(counts.values()) for agent, counts in sorted(series.items())}},

@@ -269,7 +269,7 @@ async def sign_in(datasette, request):
         def find():
             for db in _files(datasette):
                 with _lock:
-                    found = views.reviewer_for_token(_store(db.path), token)
+                    found = _store(db.path).reviewer_for_token(token)
                 if found:
                     return found
             return None
@@ -310,8 +310,8 @@ async def review(datasette, request):
         return Response.text("POST a form", status=405)
     actor = request.actor
     if not actor or not actor.get("id"):
-        return Response.html("<h1>Sign in to review</h1><p>Anonymous visitors can read, not write.</p>",
-                             status=403)
+        return Response.html("<h1>Sign in to review</h1><p>Only signed-in reviewers read or write: sign in with "
+                             "the link <code>stepmill reviewer NAME</code> prints.</p>", status=403)
     form = await request.post_vars()
     target, action, value = form.get("target", ""), form.get("action", ""), (form.get("value") or "").strip()
     if action not in REVIEW_ACTIONS:

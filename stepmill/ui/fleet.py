@@ -10,8 +10,6 @@ from dataclasses import asdict
 from stepmill.errors import BadInput, ConfigError, StoreUnavailable
 from stepmill.store.coordinator import ENV, Coordinator, redacted
 
-STATES = ("waiting", "ready", "leased", "acked", "stale", "lost")
-
 
 def fleet() -> dict | None:
     """None without a coordinator; else {coordinator, node_timeout_s, nodes, counts, lost} or {coordinator, error}."""

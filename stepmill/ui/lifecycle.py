@@ -9,18 +9,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from stepmill.store import views
+from stepmill.store import Store, views
 
 STAGES = ["collected", "tokenized", "rewarded", "reviewed", "trainable"]
 KEYS = ("overall", "agent", "model", "channel")
 
 
-def lifecycle(source) -> dict:
-    """``source``: a Store or a sqlite3 connection to its file."""
+def lifecycle(store: Store) -> dict:
+    """The page's numbers from one file's ``Store``."""
     sums = {name: defaultdict(lambda: dict.fromkeys(STAGES, 0)) for name in KEYS}
     user_agents: dict[str, dict[str, int]] = defaultdict(dict)
     gate: dict = defaultdict(int)
-    for row in views.lifecycle_rows(source):
+    for row in views.lifecycle_rows(store):
         row["trainable"] = row["collected"] if row["gate"] is None else 0
         gate[row["gate"]] += row["collected"]
         ua = user_agents[row["agent"]]
@@ -37,11 +37,11 @@ def lifecycle(source) -> dict:
         row["user_agent"] = ", ".join(sorted(user_agents[row["key"]], key=lambda u: -user_agents[row["key"]][u])[:3])
     kept = gate.pop(None, 0)
     out["gate"] = {"kept": kept, "removed": sum(gate.values()), "removed_by_reason": dict(gate)}
-    out["trajectories"] = views.trajectory_counts(source)
-    out["by_provenance"] = views.steps_by_provenance(source)
-    by_consumer = views.consumption_by_consumer(source)
+    out["trajectories"] = views.trajectory_counts(store)
+    out["by_provenance"] = views.steps_by_provenance(store)
+    by_consumer = views.consumption_by_consumer(store)
     out["consumed"] = {"groups": sum(r["groups"] for r in by_consumer), "rows": sum(r["rows"] for r in by_consumer),
                        "by_consumer": by_consumer,
-                       "leased": views.consumption_count(source, "leased"),
-                       "stale": views.consumption_count(source, "stale")}
+                       "leased": views.consumption_count(store, "leased"),
+                       "stale": views.consumption_count(store, "stale")}
     return out
