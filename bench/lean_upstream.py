@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import subprocess
+import sys
+from pathlib import Path
 
 CHUNK = ('data: {"id":"chatcmpl-b","object":"chat.completion.chunk","created":1,"model":"bench",'
          '"choices":[{"index":0,"delta":{"content":"token %d "},"finish_reason":null}]}\n\n')
@@ -73,6 +76,21 @@ class Handler(asyncio.Protocol):
 async def serve(host: str, port: int, *, events: int, delay: float, tls: ssl.SSLContext | None = None):
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: Handler(events, delay), host, port, ssl=tls)
+
+
+def start_lean_upstream(work: Path) -> tuple[subprocess.Popen, Path, int, int]:
+    """This upstream in a process of its own, on free ports, with certificates made in ``work``:
+    (process, the CA its https side is signed by, http port, https port)."""
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root))
+    from stepmill.children import free_port
+    from tests.upstream import make_certs
+
+    ca, cert, key = make_certs(work / "certs")
+    http_port, https_port = free_port(), free_port()
+    process = subprocess.Popen([sys.executable, "-m", "bench.lean_upstream", "--http-port", str(http_port),
+                                "--https-port", str(https_port), "--cert", str(cert), "--key", str(key)], cwd=root)
+    return process, ca, http_port, https_port
 
 
 def main() -> None:

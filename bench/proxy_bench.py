@@ -49,6 +49,8 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.lean_upstream import start_lean_upstream
+
 HERE = Path(__file__).parent
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -252,14 +254,8 @@ def main() -> None:
     if args.quick:
         args.rounds, args.requests, args.schemes = 1, 150, "https"
     work = Path(tempfile.mkdtemp(prefix="stepmill-proxy-bench-"))
-    sys.path.insert(0, str(HERE.parent))
-    from tests.upstream import make_certs
-
-    ca, cert, key = make_certs(work / "certs")
-    http_port, https_port = free_port(), free_port()
-    processes = [subprocess.Popen([sys.executable, "-m", "bench.lean_upstream", "--http-port", str(http_port),
-                                   "--https-port", str(https_port), "--cert", str(cert), "--key", str(key)],
-                                  cwd=HERE.parent)]
+    upstream, ca, http_port, https_port = start_lean_upstream(work)
+    processes = [upstream]
     confdir = work / "mitm"
     common = ["--set", f"confdir={confdir}", "--set", f"ssl_verify_upstream_trusted_ca={ca}",
               "--set", "connection_strategy=lazy"]

@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.lean_upstream import start_lean_upstream
 from bench.proxy_bench import Cell, children, cpu, free_port, pct, run_cell, tree_cpu, wait_port
 
 HERE = Path(__file__).parent
@@ -72,14 +73,8 @@ def main() -> None:
         args.rounds, args.time_cap = 2, 3.0
     counts = [int(n) for n in args.workers.split(",")]
     work = Path(tempfile.mkdtemp(prefix="stepmill-workers-bench-"))
-    sys.path.insert(0, str(HERE.parent))
-    from tests.upstream import make_certs
-
-    ca, cert, key = make_certs(work / "certs")
-    http_port, https_port = free_port(), free_port()
-    processes = [subprocess.Popen([sys.executable, "-m", "bench.lean_upstream", "--http-port", str(http_port),
-                                   "--https-port", str(https_port), "--cert", str(cert), "--key", str(key)],
-                                  cwd=HERE.parent)]
+    upstream, ca, http_port, https_port = start_lean_upstream(work)
+    processes = [upstream]
     confdir = work / "mitm"
     common = ["--set", f"confdir={confdir}", "--set", f"ssl_verify_upstream_trusted_ca={ca}",
               "--set", "connection_strategy=lazy"]

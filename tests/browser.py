@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.cookiejar
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -39,10 +40,12 @@ class UI:
     """`stepmill ui` started for real; ``get`` is signed in as root (through the one-time link it printed)
     unless ``anonymous``. Redirects are not followed: a 302 and its Location are what comes back."""
 
-    def __init__(self, db: Path, *, host: str = "127.0.0.1"):
+    def __init__(self, db: Path | list[Path], *, host: str = "127.0.0.1", env: dict | None = None):
+        """``db``: a file, or several (`stepmill ui --db A --db B`); ``env``: more environment (a coordinator)."""
         from stepmill.children import free_port
 
-        self.db, self.host, self.port = db, host, free_port()
+        self.dbs = db if isinstance(db, list) else [db]
+        self.db, self.host, self.port, self.env = self.dbs[0], host, free_port(), env or {}
         self.base = f"http://127.0.0.1:{self.port}"
         self.process = None
         self.link = None
@@ -50,9 +53,10 @@ class UI:
         self._jar = None
 
     def __enter__(self) -> "UI":
-        self.process = subprocess.Popen(STEPMILL + ["ui", "--db", str(self.db), "--host", self.host,
-                                                    "--port", str(self.port)],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        dbs = [arg for db in self.dbs for arg in ("--db", str(db))]
+        self.process = subprocess.Popen(STEPMILL + ["ui", *dbs, "--host", self.host, "--port", str(self.port)],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env={**os.environ, **self.env})
         deadline = time.time() + 60
         while self.link is None:
             line = self.process.stdout.readline()

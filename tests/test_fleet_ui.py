@@ -5,49 +5,18 @@ with their node) without ever showing the coordinator's password."""
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
-import subprocess
-import threading
-import time
 from urllib.parse import quote
 
 import pytest
 
-from .browser import STEPMILL, UI
+from .browser import UI
 from .conftest import wait_until
 from .test_fleet import start_node, stop_node, white_box_group
 
 
-class FleetUI(UI):
-    """`stepmill ui --db A --db B …` with the coordinator in its environment."""
-
-    def __init__(self, dbs, coordinator: str):
-        super().__init__(dbs[0])
-        self.dbs, self.coordinator = dbs, coordinator
-
-    def __enter__(self):
-        args = [a for db in self.dbs for a in ("--db", str(db))]
-        self.process = subprocess.Popen(STEPMILL + ["ui", *args, "--host", self.host, "--port", str(self.port)],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        env={**os.environ, "STEPMILL_COORDINATOR": self.coordinator})
-        deadline = time.time() + 60
-        while self.link is None:
-            line = self.process.stdout.readline()
-            if not line and (self.process.poll() is not None or time.time() > deadline):
-                raise RuntimeError("stepmill ui printed no sign-in link:\n" + "".join(self.output))
-            self.output.append(line)
-            found = re.search(r"(http://\S+/-/auth-token\?token=\w+)", line)
-            if found:
-                self.link = found.group(1)
-        threading.Thread(target=lambda: [self.output.append(x) for x in self.process.stdout], daemon=True).start()
-        wait_until(lambda: self.get("/-/static/app.css", anonymous=True)[0] is not None, timeout=60, what="ui")
-        return self
-
-
 @pytest.mark.timeout(180)
-def test_the_ui_browses_several_nodes_and_shows_the_fleet(postgres, upstream, tmp_path, marker):  # noqa: F811
+def test_the_ui_browses_several_nodes_and_shows_the_fleet(postgres, upstream, tmp_path, marker):
     from stepmill.store.coordinator import Coordinator
 
     secret = f"pw-{marker}"
@@ -64,7 +33,7 @@ def test_the_ui_browses_several_nodes_and_shows_the_fleet(postgres, upstream, tm
         gone.serve.send_signal(signal.SIGKILL)
         gone.serve.wait(10)
         wait_until(lambda: fleet.lost_groups(), timeout=15, what="the lost group")
-        with FleetUI([n.proxy.db for n in nodes], url) as ui:
+        with UI([n.proxy.db for n in nodes], env={"STEPMILL_COORDINATOR": url}) as ui:
             status, body, _ = ui.get("/-/stepmill/lifecycle.json")
             assert status == 200, body
             data = json.loads(body)
