@@ -55,6 +55,23 @@ HERE = Path(__file__).parent
 CLK = os.sysconf("SC_CLK_TCK")
 
 
+def mitm_options(confdir: Path, ca: Path) -> list[str]:
+    """What every proxy under test is given: its confdir, trust in the lean upstream's CA, lazy connects."""
+    return ["--set", f"confdir={confdir}", "--set", f"ssl_verify_upstream_trusted_ca={ca}",
+            "--set", "connection_strategy=lazy"]
+
+
+def stop_all(processes: list[subprocess.Popen], wait: float) -> None:
+    """SIGINT to each (the last started first), then each gets ``wait`` seconds before SIGKILL."""
+    for proc in reversed(processes):
+        proc.send_signal(signal.SIGINT)
+    for proc in processes:
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -257,8 +274,7 @@ def main() -> None:
     upstream, ca, http_port, https_port = start_lean_upstream(work)
     processes = [upstream]
     confdir = work / "mitm"
-    common = ["--set", f"confdir={confdir}", "--set", f"ssl_verify_upstream_trusted_ca={ca}",
-              "--set", "connection_strategy=lazy"]
+    common = mitm_options(confdir, ca)
     bin_dir = Path(sys.executable).parent
     stepmill_configs = {"stepmill": shlex.split(args.stepmill_args)}
     for variant in args.variant:
@@ -331,13 +347,7 @@ def main() -> None:
             time.sleep(0.05)
         print(f"stepmill: everything committed {time.time() - stopped:.2f} s after the load stopped")
     finally:
-        for proc in reversed(processes):
-            proc.send_signal(signal.SIGINT)
-        for proc in processes:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(processes, 15)
 
 
 def report(cells: list[Cell], args) -> None:

@@ -24,7 +24,6 @@ import asyncio
 import os
 import resource
 import shlex
-import signal
 import ssl
 import subprocess
 import sys
@@ -33,7 +32,8 @@ import time
 from pathlib import Path
 
 from bench.lean_upstream import start_lean_upstream
-from bench.proxy_bench import Cell, children, cpu, free_port, pct, run_cell, tree_cpu, wait_port
+from bench.proxy_bench import (Cell, children, cpu, free_port, mitm_options, pct, run_cell, stop_all, tree_cpu,
+                                wait_port)
 
 HERE = Path(__file__).parent
 
@@ -76,8 +76,7 @@ def main() -> None:
     upstream, ca, http_port, https_port = start_lean_upstream(work)
     processes = [upstream]
     confdir = work / "mitm"
-    common = ["--set", f"confdir={confdir}", "--set", f"ssl_verify_upstream_trusted_ca={ca}",
-              "--set", "connection_strategy=lazy"]
+    common = mitm_options(confdir, ca)
     bin_dir = Path(sys.executable).parent
     configs = ["mitmdump"] + [f"stepmill-w{n}" for n in counts]
     ports = {name: free_port() for name in configs}
@@ -124,13 +123,7 @@ def main() -> None:
         asyncio.run(all_rounds())
         report(cells, client_cpu, upstream_cpu, busy, cores, args)
     finally:
-        for proc in reversed(processes):
-            proc.send_signal(signal.SIGINT)
-        for proc in processes:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(processes, 30)
 
 
 def report(cells: list[Cell], client_cpu: dict, upstream_cpu: dict, busy: dict, cores: int, args) -> None:

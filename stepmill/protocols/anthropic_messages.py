@@ -6,15 +6,8 @@ import json
 import re
 from typing import Any
 
-from stepmill.protocols.base import (
-    AssistantBuilder,
-    Completion,
-    ParsedRequest,
-    ProtocolError,
-    canonical_content,
-    tool_call,
-    usage_of,
-)
+from stepmill.protocols.base import (AssistantBuilder, Completion, ParsedRequest, ProtocolError, canonical_content,
+                                     tool_call, usage_of)
 
 API = "anthropic.messages"
 KNOWN_EVENTS = {

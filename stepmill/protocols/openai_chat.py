@@ -10,16 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from stepmill.protocols.base import (
-    AssistantBuilder,
-    Completion,
-    DoneTerminatedStream,
-    ParsedRequest,
-    ProtocolError,
-    canonical_content,
-    tool_call,
-    usage_of,
-)
+from stepmill.protocols.base import (AssistantBuilder, Completion, DoneTerminatedStream, ParsedRequest, ProtocolError,
+                                     canonical_content, tool_call, usage_of)
 
 CHAT = "openai.chat"
 COMPLETIONS = "openai.completions"

@@ -10,15 +10,8 @@ import json
 import re
 from typing import Any
 
-from stepmill.protocols.base import (
-    AssistantBuilder,
-    Completion,
-    ParsedRequest,
-    ProtocolError,
-    canonical_content,
-    tool_call,
-    usage_of,
-)
+from stepmill.protocols.base import (AssistantBuilder, Completion, ParsedRequest, ProtocolError, canonical_content,
+                                     tool_call, usage_of)
 
 # WebSocket frames, recognised on the event loop without parsing them: the one that starts a turn
 # and the ones that end it.
