@@ -12,8 +12,9 @@ scheduled on the loop through a wake-up pipe); here that happens only while an a
 The stepmill addon is part of the chain (after the user's scripts), not a script.
 
 ``supervise`` runs N such masters as worker processes (``stepmill proxy --workers N``), each accepting
-on the same ports (SO_REUSEPORT: the kernel spreads new connections over them) with its own journal and
-writer; the workers talk over a private channel (``stepmill.addon.siblings``).
+on the same listening sockets (bound once by the supervisor and inherited: nobody else can join the
+port) with its own journal and writer; the workers talk over a private channel
+(``stepmill.addon.siblings``).
 """
 
 from __future__ import annotations
@@ -184,13 +185,41 @@ def run(arguments: list[str]) -> None:
 _listen = mode_servers.AsyncioServerInstance.listen
 
 
+LISTENERS_ENV = "STEPMILL_LISTENERS"  # "host:port=fd,…": the listening sockets a worker inherits
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket the supervisor holds and every worker accepts on. It is bound without
+    SO_REUSEPORT: no other process (an agent of the same user included) can join the port and take a
+    share of its connections, and a second proxy on the same port fails instead of joining."""
+    family = socket.AF_INET6 if ":" in host or not host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT, as asyncio does
+        if not host:  # as mitmproxy: every address, both stacks
+            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        listener.bind((host or "::", port))
+        listener.listen(socket.SOMAXCONN)
+    except OSError:
+        listener.close()
+        raise
+    listener.set_inheritable(True)
+    return listener
+
+
+def _inherited() -> dict[str, int]:
+    value = os.environ.get(LISTENERS_ENV, "")
+    return {key: int(fd) for key, _, fd in (item.rpartition("=") for item in value.split(",") if item)}
+
+
 async def _listen_shared(self: mode_servers.AsyncioServerInstance, host: str, port: int):
-    """mitmproxy's listen, with SO_REUSEPORT on a TCP listener of a given port: every worker binds it.
-    A mode that also listens on UDP (reverse to https: HTTP/3) has that in the first worker only."""
+    """mitmproxy's listen, on the socket the supervisor bound for this TCP port: every worker accepts
+    there. A mode that also listens on UDP (reverse to https: HTTP/3) has that in the first worker only."""
     protocol = self.mode.transport_protocol
-    if protocol not in ("tcp", "both") or not port:
+    fd = _inherited().get(f"{host}:{port}")
+    if protocol not in ("tcp", "both") or fd is None:
         return await _listen(self, host, port)
-    servers = [await asyncio.start_server(self.handle_stream, host, port, reuse_port=True)]
+    servers = [await asyncio.start_server(self.handle_stream, sock=socket.socket(fileno=os.dup(fd)))]
     if protocol == "both" and os.environ.get(siblings.ENV_ID) == "0":
         if host == "":  # as mitmproxy: both stacks
             servers.append(await self.start_udp_based_server("0.0.0.0", port))
@@ -218,19 +247,6 @@ def default_workers() -> int:
                       MAX_WORKERS))
 
 
-def port_taken(host: str, port: int) -> str | None:
-    """Why nothing else may listen on ``host:port`` (None: free). Bound without SO_REUSEPORT: a proxy
-    already there, with or without workers, makes it fail, so a second proxy never joins the first."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host or ("::" if family == socket.AF_INET6 else "0.0.0.0"), port))
-        except OSError as exc:
-            return str(exc)
-    return None
-
-
 def _die_with_parent() -> None:
     """In a worker, before exec: killed (as a kill -9 of the one proxy process would be) if the supervisor dies."""
     try:
@@ -247,9 +263,10 @@ class Supervisor:
     meanwhile. One that dies before it served (a bad option, a port taken) stops the proxy, with its
     exit status: starting it again would fail the same way. So do too many restarts in a row."""
 
-    def __init__(self, arguments: list[str], count: int):
+    def __init__(self, arguments: list[str], count: int, listeners: dict[str, socket.socket]):
         self.arguments = arguments
         self.count = count
+        self.listeners = listeners  # "host:port" -> the socket every worker accepts on (held here, for restarts)
         self.folder = tempfile.mkdtemp(prefix="stepmill-workers-")  # 0700: the private channel's sockets
         self.processes: dict[int, subprocess.Popen] = {}
         self.started: dict[int, float] = {}
@@ -258,10 +275,12 @@ class Supervisor:
 
     def _start(self, worker: int) -> None:
         env = {**os.environ, siblings.ENV_DIR: self.folder, siblings.ENV_ID: str(worker),
-               siblings.ENV_COUNT: str(self.count)}
+               siblings.ENV_COUNT: str(self.count),
+               LISTENERS_ENV: ",".join(f"{key}={s.fileno()}" for key, s in self.listeners.items())}
         self.started[worker] = time.time()
         self.processes[worker] = subprocess.Popen([sys.executable, "-m", "stepmill.proxy_master", *self.arguments],
-                                                  env=env, process_group=0, preexec_fn=_die_with_parent)
+                                                  env=env, process_group=0, preexec_fn=_die_with_parent,
+                                                  pass_fds=[s.fileno() for s in self.listeners.values()])
 
     def _served(self, worker: int) -> bool:
         """Whether the worker got as far as its private channel (made after its listeners)."""
@@ -318,9 +337,10 @@ class Supervisor:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def supervise(arguments: list[str], count: int) -> int:
-    """``count`` workers running mitmdump's command line ``arguments``; the exit status of the proxy."""
-    return Supervisor(arguments, count).run()
+def supervise(arguments: list[str], count: int, listeners: dict[str, socket.socket]) -> int:
+    """``count`` workers running mitmdump's command line ``arguments``, accepting on ``listeners``
+    ("host:port" -> a socket from ``bind_listener``); the exit status of the proxy."""
+    return Supervisor(arguments, count, listeners).run()
 
 
 if __name__ == "__main__":

@@ -50,3 +50,14 @@ def test_user_mode_refuses_a_dataset_other_users_can_read(proxy, marker, tmp_pat
     done = _rollout(config)
     assert done.returncode != 0
     assert "is readable by other users, agents included (its answers too): chmod go-r it" in done.stderr
+
+
+def test_runs_get_no_coordinator_or_cluster_credentials():
+    """The fleet's secrets stay with the runner: the coordinator's URL and PostgreSQL's client settings
+    (a password, a service file), Ray's cluster address; the rest of the environment passes."""
+    from stepmill.runner.isolation import agent_environment
+
+    given = {"PATH": "/usr/bin", "HOME": "/home/x", "STEPMILL_COORDINATOR": "postgresql://u:pw@db/x",
+             "PGPASSWORD": "pw", "PGSERVICEFILE": "/etc/pg_service.conf", "PGHOST": "db",
+             "DATABASE_URL": "postgresql://u:pw@db/x", "RAY_ADDRESS": "10.0.0.1:6379", "OPENAI_API_KEY": "sk-x"}
+    assert agent_environment(given) == {"PATH": "/usr/bin", "HOME": "/home/x", "OPENAI_API_KEY": "sk-x"}

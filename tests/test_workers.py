@@ -65,6 +65,19 @@ def test_every_call_is_recorded_once_and_both_workers_serve(workers, marker):
     assert sum(served.values()) == len(texts) and all(n > 0 for n in served.values()), served
 
 
+def test_no_other_process_can_join_the_workers_port(workers):
+    """An agent running as the proxy's user binds the port with SO_REUSEPORT to take a share of its
+    connections (other runs' credentials, the runner's write token): the port is not open to joining."""
+    import socket
+
+    for address in (("127.0.0.1", workers.port), ("127.0.0.1", workers.control_port)):
+        with socket.socket() as thief:
+            thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                thief.bind(address)
+
+
 def test_a_policy_version_set_through_either_worker_is_stamped_by_both_from_the_next_call(workers, marker):
     control = workers.client()
     for round_ in range(6):

@@ -27,6 +27,7 @@ Blocking calls (HTTP, PostgreSQL): a trainer's thread, never an event loop.
 
 from __future__ import annotations
 
+import logging
 import threading
 import urllib.error
 import urllib.request
@@ -40,6 +41,9 @@ from stepmill.store.coordinator import Claim, Coordinator
 from stepmill.trainer_bridge.consume import acknowledging
 from stepmill.trainer_bridge.layouts import Batch, concat_step_batches
 from stepmill.trainer_bridge.serve import LAYOUT_FIELDS, batch_from_bytes
+
+
+log = logging.getLogger("stepmill")
 
 
 class RemoteConsumer:
@@ -104,9 +108,11 @@ class RemoteConsumer:
             claim = self._held.get(group)
         if claim is None:
             raise NotFound(f"group {group!r} is not held by consumer {self.name!r}")
-        self.fleet.ack(claim)
-        with self._lock:
-            self._held.pop(group, None)
+        try:
+            self.fleet.ack(claim)
+        finally:  # acknowledged, or refused for good (Conflict): no longer ours to renew either way
+            with self._lock:
+                self._held.pop(group, None)
         self.report["groups acknowledged"] += 1
         self.report["rows acknowledged"] += len(batch)
 
@@ -172,6 +178,9 @@ class RemoteConsumer:
                     continue
                 except StoreUnavailable:
                     continue  # the coordinator is away: the next round tries again
+                except Exception:  # anything else must not end the renewals of the other claims
+                    log.exception("stepmill: renewing the lease of group %s failed", claim.group_id)
+                    continue
                 with self._lock:
                     if claim.group_id in self._held:
                         self._held[claim.group_id] = renewed

@@ -59,8 +59,7 @@ def proxy(port, host, control_port, workers, db, confdir, mitmproxy_args):
     # records, requests as they go upstream.
     args = args + extra
     workers = workers or default_workers()
-    if workers > 1:
-        _check_ports(args, host, port, workers)
+    listeners = _bind_listeners(args, host, port, workers) if workers > 1 else {}
     click.echo(f"stepmill {__version__}: proxy on http://{host}:{port}, steps in {db}"
                + (f", {workers} worker processes" if workers > 1 else ""), err=True)
     click.echo(f"mitmproxy CA: {ca}", err=True)
@@ -69,19 +68,20 @@ def proxy(port, host, control_port, workers, db, confdir, mitmproxy_args):
                " (never give it to agents)", err=True)
     click.echo(f'agents: eval "$(stepmill env --port {port})"', err=True)
     if workers > 1:
-        sys.exit(supervise(args, workers))
+        sys.exit(supervise(args, workers, listeners))
     sys.exit(run(args) or 0)
 
 
-def _check_ports(args: list[str], host: str, port: int, workers: int) -> None:
-    """Workers share their ports (SO_REUSEPORT): each must be given, and free, before they start, or a
-    second proxy on the same port would join the first instead of failing."""
+def _bind_listeners(args: list[str], host: str, port: int, workers: int) -> dict:
+    """The TCP listeners the workers share, bound here (once, held by the supervisor): each mode must
+    have a fixed TCP port, and a port already taken fails now, before any worker starts."""
     from mitmproxy.proxy import mode_specs
 
-    from stepmill.proxy_master import port_taken
+    from stepmill.proxy_master import bind_listener
 
     specs = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--mode", "-m")]
     specs += [a.partition("=")[2] for a in args if a.startswith("--mode=")]
+    listeners = {}
     for spec in specs:
         try:
             mode = mode_specs.ProxyMode.parse(spec)
@@ -92,9 +92,11 @@ def _check_ports(args: list[str], host: str, port: int, workers: int) -> None:
         listen_host, listen_port = mode.listen_host(host), mode.listen_port(port)
         if not listen_port:
             raise click.UsageError(f"--workers {workers} needs a fixed port for mode {spec!r}, not 0")
-        taken = port_taken(listen_host, listen_port)
-        if taken:
-            raise click.UsageError(f"port {listen_port} is taken ({taken}): is a proxy already running there?")
+        try:
+            listeners[f"{listen_host}:{listen_port}"] = bind_listener(listen_host, listen_port)
+        except OSError as exc:
+            raise click.UsageError(f"port {listen_port} is taken ({exc}): is a proxy already running there?") from None
+    return listeners
 
 
 @click.command()

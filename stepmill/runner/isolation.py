@@ -38,9 +38,11 @@ MODES = ("auto", "sandbox", "user", "container", "none")
 HOST_SOCKETS = ("/run/user", "/run/dbus", "/run/docker.sock", "/run/containerd", "/run/podman", "/run/systemd/private")
 # Variables that point a process at such a service, or sign as the runner's user.
 PRIVATE_ENV = ("DBUS_SESSION_BUS_ADDRESS", "DBUS_SYSTEM_BUS_ADDRESS", "SSH_AUTH_SOCK", "GPG_AGENT_INFO",
-               "XDG_RUNTIME_DIR", "DOCKER_HOST", "CONTAINER_HOST", "DATASETTE_SECRET", "RAY_ADDRESS", "KRB5CCNAME")
-# stepmill's own settings; Ray's (a run's task inherits its worker's: the cluster's address, session, node).
-PRIVATE_PREFIXES = ("STEPMILL_", "RAY_")
+               "XDG_RUNTIME_DIR", "DOCKER_HOST", "CONTAINER_HOST", "DATASETTE_SECRET", "RAY_ADDRESS", "KRB5CCNAME",
+               "DATABASE_URL")
+# stepmill's own settings (the coordinator's URL among them); Ray's (a run's task inherits its worker's:
+# the cluster's address, session, node); PostgreSQL's client settings (a password, a service file).
+PRIVATE_PREFIXES = ("STEPMILL_", "RAY_", "PG")
 NONE_WARNING = ("stepmill: run {trajectory} is NOT isolated (isolation = none): the agent can read the "
                 "database, the dataset's answers and the proxy's token, and change its own data")
 

@@ -187,7 +187,8 @@ def _drive(config: Config, mode: str, progress: bool, fleet, coordinator_url: st
         for name, (count, failed) in result.items():
             rewards[name][0] += count
             rewards[name][1] += failed
-        if fleet is not None:
+        # A reward that failed on a run leaves its group unscored: not ready, so not handed out half-rewarded.
+        if fleet is not None and not any(failed for _, failed in result.values()):
             for job in by_group[group]:
                 fleet.report(job.trajectory, scored=True)
 
@@ -223,7 +224,13 @@ def _drive(config: Config, mode: str, progress: bool, fleet, coordinator_url: st
                     continue
                 name, job, slot = running.pop(ref)
                 free[name].append(slot)
-                outcome = ray.get(ref)
+                try:
+                    outcome = ray.get(ref)
+                except ray.exceptions.RayError as exc:  # its worker died (memory, a lost node): one run lost
+                    print(f"stepmill: run {job.trajectory} on {name} was lost ({type(exc).__name__}); it stays "
+                          "open and runs again when the rollout is resumed", file=sys.stderr, flush=True)
+                    report.failed += 1
+                    continue
                 if outcome is None:
                     continue
                 report.count(outcome)
