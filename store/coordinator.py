@@ -279,8 +279,12 @@ class Coordinator:
 
     def _connection(self):
         if self._conn is None or self._conn.closed:
+            # A connection cut without a word (a network partition) must end, not hang a lease renewal
+            # behind the lock: TCP keepalives, a send timeout, and a bound on any one statement.
             self._conn = psycopg.connect(self._url, autocommit=True, connect_timeout=self._connect_timeout,
-                                         application_name="stepmill-coordinator")
+                                         application_name="stepmill-coordinator", keepalives=1,
+                                         keepalives_idle=10, keepalives_interval=5, keepalives_count=3,
+                                         tcp_user_timeout=30_000, options="-c statement_timeout=30000")
         if not self._migrated:
             migrate(self._conn)
             self._migrated = True
