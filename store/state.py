@@ -52,12 +52,14 @@ class State:
 
     def _set_policy_version(self, conn, value: str | None) -> None:
         self._set_state(conn, "policy_version", value)
-        conn.execute("INSERT INTO policy_versions (set_at, version) VALUES (?, ?)", [time.time(), value])
+        # Never earlier than the last one: a clock stepped back must not put an older version after a newer.
+        conn.execute("INSERT INTO policy_versions (set_at, version) SELECT max(?, coalesce(max(set_at), 0)), ?"
+                     " FROM policy_versions", [time.time(), value])
 
     def policy_version_at(self, when: float) -> str | None:
         """The version in effect at ``when`` (epoch seconds): the last one set by then (None before any)."""
         with file_errors():  # read by the writer for every call it records
             row = self.db.conn.execute("SELECT version FROM policy_versions WHERE set_at <= ? ORDER BY set_at "
-                                       "DESC LIMIT 1", [when]).fetchone()
+                                       "DESC, rowid DESC LIMIT 1", [when]).fetchone()
         return row[0] if row else None
 

@@ -240,3 +240,16 @@ def test_a_file_that_takes_no_writes_is_store_unavailable_and_keeps_nothing_half
         store.set_state("journal:x", "1:3")
     with pytest.raises(BadInput, match="--where"):  # what a user's condition asks stays the user's fault
         store.gate_counts("s.nope")
+
+
+def test_a_policy_version_set_after_a_clock_step_back_still_comes_after(tmp_path, monkeypatch):
+    import time
+
+    store = Store(tmp_path / "p.db")
+    store.set_policy_version("1")
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now - 3600)  # the clock stepped back an hour
+    store.set_policy_version("2")
+    monkeypatch.undo()
+    assert store.policy_version_at(time.time()) == "2"
+    assert store.policy_version_at(now - 7200) is None
