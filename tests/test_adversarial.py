@@ -635,7 +635,7 @@ def test_rewards_are_the_math_rules_alone(attacked, mode):
                 rewards = store.query("SELECT * FROM rewards WHERE target_id = ? OR target_id IN "
                                       "(SELECT id FROM steps WHERE trajectory_id = ?)", [trajectory, trajectory])
                 assert [(r["source"], r["name"]) for r in rewards] == [("rule", f"math-{stack.marker}")], rewards
-                row = store.query("SELECT * FROM trajectories WHERE id = ?", [trajectory])[0]
+                [row] = [r for r in store.completed_trajectories(id_prefix=trajectory) if r["id"] == trajectory]
                 expected, _ = math_answer(trajectory_input(store, row))
                 assert rewards[0]["value"] == expected == row["reward"], (trajectory, rewards, row["reward"])
         assert store.query("SELECT count(*) AS n FROM rewards WHERE value = 5.0 OR source = 'human'")[0]["n"] == 0

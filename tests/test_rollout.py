@@ -330,7 +330,7 @@ def test_a_white_box_run_cut_short_runs_again_cleanly(proxy, simulated_llm, mark
     assert gate["removed_by_reason"] == {"an earlier attempt of its run": 1}
     from stepmill.rewards.scoring import trajectory_input
 
-    row = store.query("SELECT * FROM trajectories WHERE id = ?", [trajectory])[0]
+    [row] = [r for r in store.completed_trajectories(id_prefix=trajectory) if r["id"] == trajectory]
     assert [s["step_id"] for s in trajectory_input(store, row)["steps"]] == [s["id"] for s in new]
 
 
