@@ -50,6 +50,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.lean_upstream import start_lean_upstream
+from stepmill.children import free_port
 
 HERE = Path(__file__).parent
 CLK = os.sysconf("SC_CLK_TCK")
@@ -70,12 +71,6 @@ def stop_all(processes: list[subprocess.Popen], wait: float) -> None:
             proc.wait(wait)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children(pid: int) -> list[int]:

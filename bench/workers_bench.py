@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 from bench.lean_upstream import start_lean_upstream
-from bench.proxy_bench import (Cell, children, cpu, free_port, mitm_options, pct, run_cell, stop_all, tree_cpu,
-                                wait_port)
+from bench.proxy_bench import Cell, children, cpu, mitm_options, pct, run_cell, stop_all, tree_cpu, wait_port
+from stepmill.children import free_port
 
 HERE = Path(__file__).parent
 

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Iterator
 from stepmill.errors import BadInput, NotFound
 from stepmill.store import curation
 from stepmill.store.encoding import loads
-from stepmill.store.sql_errors import user_rows
+from stepmill.store.sql_errors import UserParameters, user_rows
 
 
 class Export:
@@ -117,16 +117,8 @@ def _selection(where: str | None, params: Any, gate: bool, group_id: str | None,
     """The WHERE clause (with its leading space, or empty) and parameters of a selection of steps: the
     caller's condition first, then ours, bound by name where the caller's parameters are named."""
     conditions = [f"({where})"] if where else []
-    named = isinstance(params, dict)
-    params = dict(params) if named else list(params)
-
-    def bind(name: str, value: Any) -> str:
-        if named:
-            params[name] = value
-            return f":{name}"
-        params.append(value)
-        return "?"
-
+    bound = UserParameters(params)
+    bind = bound.bind
     for name, column, value in (("_group", "s.group_id =", group_id), ("_trajectory", "s.trajectory_id =", trajectory_id),
                                 ("_from", "s.rowid >=", None if rowids is None else rowids[0]),
                                 ("_to", "s.rowid <=", None if rowids is None else rowids[1])):
@@ -137,4 +129,4 @@ def _selection(where: str | None, params: Any, gate: bool, group_id: str | None,
         conditions.append(f"s.trajectory_id IN ({', '.join(marks)})")
     if gate:
         conditions.append(f"({curation.GATE_REASON}) IS NULL")
-    return (" WHERE " + " AND ".join(conditions) if conditions else ""), params
+    return (" WHERE " + " AND ".join(conditions) if conditions else ""), bound.values

@@ -1,5 +1,6 @@
 """What SQLite's errors mean to callers: the file cannot be used now (``StoreUnavailable``: locked,
-busy, full, read-only, an I/O error), or a user's condition is not valid SQL (``BadInput``)."""
+busy, full, read-only, an I/O error), or a user's condition is not valid SQL (``BadInput``); and the
+parameters the store binds after a user's condition."""
 
 from __future__ import annotations
 
@@ -55,3 +56,20 @@ def user_rows(where: str | None, query: Callable[[], Iterable[Any]]) -> Iterator
         if row is end:
             return
         yield row
+
+
+class UserParameters:
+    """A user's parameters (positional or named) with the store's own bound after them in the same
+    style, so the user's ``?`` keep their places."""
+
+    def __init__(self, params: Any):
+        self.named = isinstance(params, dict)
+        self.values = dict(params) if self.named else list(params)
+
+    def bind(self, name: str, value: Any) -> str:
+        """The placeholder for ``value`` (named ``name`` where the user's are named)."""
+        if self.named:
+            self.values[name] = value
+            return f":{name}"
+        self.values.append(value)
+        return "?"

@@ -9,7 +9,7 @@ from stepmill.store import curation
 from stepmill.store.assign import ensure_trajectory, set_trajectory_fields
 from stepmill.store.encoding import dumps, loads
 from stepmill.store.ids import new_id, now_iso
-from stepmill.store.sql_errors import user_condition
+from stepmill.store.sql_errors import UserParameters, user_condition
 
 
 class Trajectories:
@@ -65,10 +65,10 @@ class Trajectories:
         ``where``: a user's SQL condition on the trajectories table (alias t); ``id_prefix``: only ids
         that start with it (one rollout's runs); ``group_id``: one group's."""
         condition = "t.status = 'complete'" + (f" AND ({where})" if where else "")
-        if group_id is not None:  # after the user's condition, so positional parameters keep their places
-            named = isinstance(params, dict)
-            condition += " AND t.group_id = " + (":_group" if named else "?")
-            params = {**params, "_group": group_id} if named else [*params, group_id]
+        if group_id is not None:
+            bound = UserParameters(params)
+            condition += f" AND t.group_id = {bound.bind('_group', group_id)}"
+            params = bound.values
         with user_condition(where):
             rows = self.query(f"SELECT t.* FROM trajectories t WHERE {condition} ORDER BY t.created_at", params)
         rows = rows if id_prefix is None else [row for row in rows if row["id"].startswith(id_prefix)]
