@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo proxy ui test bench bench-proxy bench-store bench-ui bench-engine
+.PHONY: demo proxy ui test bench bench-proxy bench-store bench-ui bench-engine bench-train bench-loop
 
 $(PY): pyproject.toml
 	"$$(.ci/find-python)" -m venv $(VENV)
@@ -19,8 +19,10 @@ proxy: $(PY)
 ui: $(PY)
 	$(VENV)/bin/stepmill ui
 
+# The fast tests first, then the end-to-end ones (a real engine, cluster or trainer: marked slow).
 test: $(PY)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m slow
 
 bench: $(PY)
 	$(PY) -m bench.capture_bench
@@ -36,3 +38,10 @@ bench-ui: $(PY)
 
 bench-engine: $(PY)
 	$(PY) -m bench.engine_bench
+
+# The trainer's benchmarks need torch: the engine venv's (.ci/install-engines), after the project's packages.
+bench-train: $(PY)
+	.ci/python-torch -m bench.train_bench
+
+bench-loop: $(PY)
+	.ci/python-torch -m bench.loop_bench

@@ -13,7 +13,7 @@ import logging
 import ssl
 from dataclasses import dataclass
 
-from stepmill.protocols import anthropic_messages, openai_chat, openai_responses, sglang_generate
+from stepmill.protocols import anthropic_messages, gemini_generate, openai_chat, openai_responses, sglang_generate
 
 log = logging.getLogger("stepmill")
 
@@ -24,7 +24,7 @@ CLOSED_API_HOSTS = ("openai.com", "anthropic.com", "openai.azure.com", "googleap
 # Anthropic Messages: engines have no id fields there; the proxy serves such a call through the
 # engine's chat completions instead (messages_via_chat.py).
 ENGINE_APIS = (openai_chat.CHAT, openai_chat.COMPLETIONS, openai_responses.API, anthropic_messages.API,
-               sglang_generate.API)
+               sglang_generate.API, gemini_generate.API)
 NATIVE_APIS = {sglang_generate.API: "sglang"}  # recorded only where that engine answers
 
 
@@ -84,7 +84,9 @@ class EngineProbe:
 
     'auto' must never add a field to a request for a server that would reject it (an OpenAI-
     compatible gateway, an unlisted provider), so only a positive answer makes a host an engine.
-    Concurrent first calls to a host share one probe; the answer is cached per host and base path.
+    Concurrent first calls to a host share one probe; the answer is cached per host and base path,
+    unless the engine refused the probe for the caller's key (a first call with a wrong key must not
+    leave an engine recorded as "no engine" for every later call).
     """
 
     def __init__(self):
@@ -106,10 +108,14 @@ class EngineProbe:
             answer = await asyncio.shield(self.pending[key])
         finally:
             self.pending.pop(key, None)
+        if answer is None:  # the engine refused the caller's key: no answer about the engine itself
+            return False  # this call gets no ids; the next one (another key) asks again
         self.answers[key] = answer
         return answer
 
-    async def _probe(self, scheme, address, host_header, models_path, auth, ssl_context, via) -> str | bool:
+    async def _probe(self, scheme, address, host_header, models_path, auth, ssl_context, via) -> str | bool | None:
+        """"vllm" / "sglang", False (no engine), or None: the probe was refused for the key it carried
+        (401, 403), so whether this is an engine is not known yet."""
         try:
             status, body = await asyncio.wait_for(
                 http_get(address, host_header, models_path, auth, ssl_context if scheme == "https" else None,
@@ -117,6 +123,10 @@ class EngineProbe:
         except Exception as exc:  # unreachable, refused, TLS: not an engine we can vouch for
             log.info(f"stepmill: engine probe of {host_header}{models_path} failed ({exc!r}); not an engine")
             return False
+        if status in (401, 403):  # a caller's wrong key says nothing about the engine: not remembered
+            log.info(f"stepmill: engine probe of {host_header}{models_path} was refused ({status}) with the "
+                     f"caller's key; asked again on the next call")
+            return None
         answer = models_say_engine(status, body) or False
         log.info(f"stepmill: {host_header} is {'an engine (' + answer + ')' if answer else 'no engine'}: "
                  f"token ids {'will' if answer else 'will not'} be asked for")

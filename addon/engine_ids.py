@@ -19,7 +19,7 @@ from mitmproxy.proxy import mode_specs
 
 from stepmill.addon import engine
 from stepmill.addon.loop_state import Capture, hook_failed
-from stepmill.protocols import anthropic_messages, messages_via_chat, openai_chat
+from stepmill.protocols import anthropic_messages, gemini_generate, gemini_via_chat, messages_via_chat, openai_chat
 from stepmill.protocols.base import json_bytes
 
 ENGINE_AUTH_HEADERS = ("authorization", "x-api-key", "api-key")
@@ -55,6 +55,8 @@ class EngineIds:
         bare = request.path.split("?", 1)[0].rstrip("/")
         if bare.endswith("/generate"):  # SGLang's native endpoint sits beside /v1
             root = bare[: -len("/generate")] + "/v1"
+        elif gemini_generate.PATH.search(bare):  # …/v1beta/models/m:generateContent: the engine's /v1 beside it
+            root = gemini_via_chat.chat_path(bare)[: -len("/chat/completions")]
         elif bare.endswith("/chat/completions"):
             root = bare[: -len("/chat/completions")]
         else:
@@ -107,6 +109,9 @@ class EngineIds:
         if capture.call.api == anthropic_messages.API:
             self._messages_via_chat(flow, capture, body, kind)
             return
+        if capture.call.api == gemini_generate.API:
+            self._gemini_via_chat(flow, capture, body, kind)
+            return
         capture.added = engine.inject(body, capture.call.api, "sglang" if kind == "sglang" else "vllm")
         if capture.added:
             request.set_content(json_bytes(body))
@@ -136,6 +141,29 @@ class EngineIds:
         capture.notes.append("an Anthropic Messages call, served through the engine's chat completions for "
                              "exact token ids; the agent got the answer as Messages")
 
+    @staticmethod
+    def _gemini_via_chat(flow: http.HTTPFlow, capture: Capture, body: dict, kind: str | bool) -> None:
+        """An engine has no Gemini endpoint: its chat completions, asked for ids, serve the call, and the
+        agent gets the answer back as Gemini's (SSE chunks, or an array of one for the JSON-array form)."""
+        request = flow.request
+        try:
+            chat = gemini_via_chat.request_to_chat(body, request.path, engine="sglang" if kind == "sglang" else "vllm")
+        except Exception as exc:  # a body of another shape: the writer records it as it is, with why
+            capture.notes.append(f"sent to the engine as it came, which has no Gemini endpoint "
+                                 f"({type(exc).__name__}: {exc})")
+            return
+        streamed = gemini_generate.streamed_path(request.path)
+        request.path = gemini_via_chat.chat_path(request.path)
+        request.set_content(json_bytes(chat))
+        capture.raw_request = request.raw_content or b""
+        capture.call.api, capture.call.path = openai_chat.CHAT, request.path
+        capture.via = gemini_via_chat
+        capture.translated = {"model": chat["model"]}
+        if streamed and not chat.get("stream"):
+            capture.translated["array"] = True
+        capture.notes.append("a Gemini generateContent call, served through the engine's chat completions for "
+                             "exact token ids; the agent got the answer as Gemini's")
+
     # -- response ---------------------------------------------------------------------------
     @staticmethod
     def stream_edits(capture: Capture) -> tuple[Callable[[dict], bool] | None, object | None]:
@@ -144,7 +172,7 @@ class EngineIds:
         if capture.added and ctx.options.stepmill_engine_strip:
             rewrite = lambda payload: engine.strip(payload, capture.added)  # noqa: E731
         if capture.translated is not None:
-            translate = messages_via_chat.StreamTranslator(**capture.translated)
+            translate = (capture.via or messages_via_chat).StreamTranslator(**capture.translated)
         return rewrite, translate
 
     @staticmethod
@@ -167,13 +195,14 @@ class EngineIds:
 
     @staticmethod
     def _translate_plain(response: http.Response, capture: Capture) -> None:
-        """An engine's whole chat answer (or error) as the Messages answer the agent asked for."""
+        """An engine's whole chat answer (or error) as the answer the agent asked for (Messages, Gemini)."""
+        via = capture.via or messages_via_chat
         try:
             payload = json.loads(response.get_content(strict=False) or b"")
-            translated = messages_via_chat.chat_to_message(payload, **capture.translated) \
-                if response.status_code < 400 else messages_via_chat.error_body(payload)
+            translated = via.answer_of(payload, **capture.translated) \
+                if response.status_code < 400 else via.error_body(payload)
         except Exception as exc:
-            capture.notes.append(f"could not translate the engine's answer to Messages: {exc}")
-            translated = messages_via_chat.error_body({"message": f"stepmill could not translate the answer: {exc}"})
+            capture.notes.append(f"could not translate the engine's answer back: {exc}")
+            translated = via.error_body({"message": f"stepmill could not translate the answer: {exc}"})
         response.set_content(json_bytes(translated))
         response.headers["content-type"] = "application/json"

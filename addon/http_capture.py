@@ -24,7 +24,7 @@ from stepmill.addon.stream_tap import StreamTap
 from stepmill.auth.runs import Refused
 from stepmill.pipeline.call_record import Call, CallRecord
 from stepmill.pipeline.redaction import allowed_headers
-from stepmill.protocols import match, openai_responses
+from stepmill.protocols import match, openai_responses, streams_json
 from stepmill.protocols.base import json_bytes
 
 log = logging.getLogger("stepmill")
@@ -90,9 +90,14 @@ class HttpCapture:
             request_tags = self._credential_tags(index["proxy-authorization"])
             request.headers.pop("proxy-authorization", None)  # hop-by-hop: its secret never goes upstream
         runs = self.state.runs
+        door = runs.runs.get(flow.metadata.get("stepmill_door"))
         try:
-            credential = runs.credential(path_tags, self.state.connection_tags.get(flow.client_conn.id), request_tags)
-            tags = runs.resolve(credential, headers)
+            credentials = (path_tags, self.state.connection_tags.get(flow.client_conn.id), request_tags)
+            if door is not None:  # a sandboxed run's door: the connection says whose call it is
+                tags = runs.through_door(door, credentials, headers)
+            else:
+                tags = runs.resolve(runs.credential(*credentials), headers,
+                                    vouched=flow.metadata.get("stepmill_vouched", False))
         except Refused as exc:
             log.warning(f"stepmill: refused {request.method} {host}{api_path}: {exc}")
             flow.response = http.Response.make(403, json_bytes({"error": {
@@ -126,7 +131,14 @@ class HttpCapture:
                 flow.response.stream = True  # other event streams pass through as they come, not buffered
             return
         try:
-            if "text/event-stream" in flow.response.headers.get("content-type", ""):
+            content_type = flow.response.headers.get("content-type", "")
+            if "text/event-stream" not in content_type and "json" in content_type \
+                    and flow.response.status_code < 400 and streams_json(capture.call.api, capture.call.path):
+                # a JSON array streamed element by element: passed on as it comes, kept as it came
+                capture.tap = StreamTap(content_encoding=flow.response.headers.get("content-encoding"),
+                                        limit=ctx.options.stepmill_max_body)
+                flow.response.stream = capture.tap
+            elif "text/event-stream" in content_type:
                 rewrite, translate = self.engine.stream_edits(capture)
                 capture.tap = StreamTap(rewrite=rewrite, markers=MARKERS, translate=translate,
                                         translate_end=translate.close if translate else None,

@@ -48,7 +48,8 @@ class Capture:
     tap: StreamTap | None = None
     notes: list[str] = field(default_factory=list)
     done: bool = False
-    translated: dict | None = None  # a Messages call served through chat: {"model", "stop_sequences"}
+    translated: dict | None = None  # a call served through chat: its translator's options
+    via: object = None  # the translating module: stepmill.protocols.messages_via_chat (None) or gemini_via_chat
     render_with: str | None = None  # a vLLM engine's root, whose /tokenize renders a call it gave no ids for
 
     def record(self, kind: str, *, policy_version: str | None, keep_raw: bool, **facts) -> CallRecord:

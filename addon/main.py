@@ -5,6 +5,7 @@ part below is an addon of its own with only the hooks it needs:
 
 - ``StepmillOptions``: declares the stepmill_* options and refuses bad values, before anything starts;
 - ``PipelineLifecycle``: starts the pipeline (off the loop) in ``running``, stops it in ``done``;
+- ``Doors``: what a call may reach by where it comes from (a sandboxed run's door; admin routes);
 - ``ControlEndpoint``: the control API on its magic host, answered in a thread of its own;
 - ``HttpCapture``: LLM calls over HTTP (tags, engine ids, stream taps) to records for the pipeline;
 - ``WebSocketTurns``: each Responses WebSocket turn to a record.
@@ -16,6 +17,7 @@ looks at it. What they share on the event loop (calls in flight, the pipeline) i
 from __future__ import annotations
 
 from stepmill.addon.control import ControlEndpoint
+from stepmill.addon.doors import Doors
 from stepmill.addon.http_capture import HttpCapture
 from stepmill.addon.loop_state import LoopState
 from stepmill.addon.options import StepmillOptions
@@ -27,5 +29,5 @@ class StepmillAddon:
     def __init__(self):
         self.state = LoopState()
         self.control = ControlEndpoint(self.state)
-        self.addons = [StepmillOptions(), PipelineLifecycle(self.state, self.control), self.control,
-                       HttpCapture(self.state), WebSocketTurns(self.state)]
+        self.addons = [StepmillOptions(), PipelineLifecycle(self.state, self.control), Doors(self.state),
+                       self.control, HttpCapture(self.state), WebSocketTurns(self.state)]

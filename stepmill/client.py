@@ -74,8 +74,11 @@ class StepmillClient:
     def policy_version(self) -> str | None:
         return self.request("GET", "/v1/policy_version")["policy_version"]
 
-    def set_policy_version(self, version: str | int) -> str:
-        return self.request("PUT", "/v1/policy_version", {"policy_version": version})["policy_version"]
+    def set_policy_version(self, version: str | int, *, since: float | None = None) -> str:
+        """The version every call that starts from now on (or from ``since``, epoch seconds, already
+        past: the moment an engine stopped taking calls for a weight switch) is stamped with."""
+        body = {"policy_version": version} if since is None else {"policy_version": version, "since": since}
+        return self.request("PUT", "/v1/policy_version", body)["policy_version"]
 
     def start_trajectory(self, **fields) -> dict:
         """Fields: trajectory_id, group_id, channel, metadata. Returns ids plus proxy_url / base_url."""
@@ -91,10 +94,17 @@ class StepmillClient:
         return self.request("POST", f"/v1/trajectories/{_q(trajectory_id)}/complete",
                             {} if reward is None else {"reward": reward})
 
-    def register_run(self, trajectory_id: str) -> dict:
+    def register_run(self, trajectory_id: str, *, door: str | None = None, hosts: list | None = None) -> dict:
         """A fresh secret for the trajectory's run, and its proxy_url / base_url carrying it: from now
-        on the proxy records calls into the trajectory only with these credentials."""
-        return self.request("POST", f"/v1/trajectories/{_q(trajectory_id)}/credentials", {})
+        on the proxy records calls into the trajectory only with these credentials. ``door``: the
+        loopback address a sandboxed run's calls come from (each of them is then the run's alone);
+        ``hosts``: what else than LLM calls it may reach through the proxy."""
+        body = {k: v for k, v in (("door", door), ("hosts", hosts)) if v is not None}
+        return self.request("POST", f"/v1/trajectories/{_q(trajectory_id)}/credentials", body)
+
+    def revoke_run(self, trajectory_id: str) -> dict:
+        """The run ended: its secret writes nothing more (NotFound for a run never registered)."""
+        return self.request("DELETE", f"/v1/trajectories/{_q(trajectory_id)}/credentials", {})
 
     def barrier(self) -> dict:
         """Returns once the writer committed every call the proxy had received (``committed``: false

@@ -42,3 +42,15 @@ class StoreUnavailable(StepmillError):
     """The database cannot be opened or written now (missing, locked, full, read-only, too new)."""
 
     status = 503
+
+
+class SyncError(StepmillError):
+    """An engine that does not serve the policy it was handed: a reload that failed, or a probe whose
+    logprobs differ from the trainer's (the message says the version and the gap; so do ``version`` and
+    ``gap``, None where a step failed before any probe)."""
+
+    status = 502
+
+    def __init__(self, message: str, *, version: str | None = None, gap: float | None = None):
+        super().__init__(message)
+        self.version, self.gap = version, gap

@@ -9,7 +9,8 @@ SQLite file, written by that node's proxy exactly as on one machine; a node serv
 - readiness: the runner or node reports each run finished, committed (its steps are in the node's
   file) and scored; a group is ready when it has its expected number of runs and every one is all three;
 - claims: a ready group is leased to one consumer at a time (``SELECT ... FOR UPDATE SKIP LOCKED``,
-  the pattern pgmq implements); a lease that runs out returns the group; an ack takes effect once;
+  the pattern pgmq implements); a lease that runs out returns the group; an ack takes effect once, and
+  ``ack_many`` acknowledges several groups (one optimizer step's) in one transaction, all or none;
 - the fleet-wide policy version and the staleness allowed: a ready group whose oldest policy version
   is older than the current by more than ``max_staleness`` is set aside as ``stale``, never handed
   out (the rule one machine's consumer applies to its file: both versions integers, else never stale).
@@ -36,9 +37,9 @@ When the node heartbeats again they are handed out as before.
     fleet.register_group("g1", size=8)
     fleet.register_run("t1", group_id="g1", node_id="node-a")
     fleet.report("t1", finished=True, committed=True, scored=True)
-    for claim in fleet.claim("trainer-0", n=4, lease_s=600):
-        ...  # fetch claim.runs from claim.nodes
-        fleet.ack(claim)
+    claims = fleet.claim("trainer-0", n=4, lease_s=600)
+    ...  # fetch each claim's runs from claim.nodes, train on them
+    fleet.ack_many(claims)
 """
 
 from __future__ import annotations
@@ -97,6 +98,10 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
         "CREATE INDEX leases_group ON stepmill.leases (group_id)",
         "CREATE TABLE stepmill.settings (key text PRIMARY KEY, value text)",
     ]),
+    # How far behind the fleet's policy each group was when claimed (NULL: versions not integers).
+    ("lease_staleness", [
+        "ALTER TABLE stepmill.leases ADD COLUMN policy_version text, ADD COLUMN staleness bigint",
+    ]),
 ]
 
 
@@ -112,6 +117,7 @@ class Claim:
     policy_version: str | None  # the oldest integer policy version among its runs
     runs: dict[str, str] = field(default_factory=dict)  # run (trajectory) id -> node id
     nodes: dict[str, str] = field(default_factory=dict)  # node id -> its serve URL
+    staleness: int | None = None  # the fleet's policy version at the claim minus policy_version (None: not integers)
 
 
 @dataclass
@@ -223,7 +229,8 @@ FOR UPDATE OF g SKIP LOCKED
 """
 
 CLAIM_FIELDS = """g.id AS group_id, g.channel, g.consumer, g.lease_id,
-  extract(epoch FROM g.lease_until)::float8 AS lease_until, g.oldest_version"""
+  extract(epoch FROM g.lease_until)::float8 AS lease_until, g.oldest_version,
+  (SELECT l.staleness FROM stepmill.leases l WHERE l.id = g.lease_id) AS staleness"""
 
 
 class Coordinator:
@@ -506,21 +513,27 @@ class Coordinator:
 
     # --- claims -----------------------------------------------------------------------------------------
 
-    def claim(self, consumer: str, n: int = 1, lease_s: float = 600.0, channel: str | None = "train") -> list[Claim]:
+    def claim(self, consumer: str, n: int = 1, lease_s: float = 600.0, channel: str | None = "train",
+              max_staleness: int | None = None) -> list[Claim]:
         """Up to ``n`` ready groups of the channel (None: any channel), oldest ready first, each leased to
-        this consumer for ``lease_s`` seconds. Stale groups met on the way are set aside."""
+        this consumer for ``lease_s`` seconds. Stale groups met on the way are set aside (stale: more
+        versions behind than the fleet's ``max_staleness``, or this claim's when that is lower)."""
         _id(consumer, "a consumer name")
         if channel is not None:
             _id(channel, "a channel")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise BadInput(f"n must be a positive integer, got {n!r:.40}")
         lease_s = _seconds(lease_s, "lease_s")
+        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
+                                          or max_staleness < 0):
+            raise BadInput(f"max_staleness must be a non-negative integer or None, got {max_staleness!r:.40}")
 
         def work(cur):
             settings = {row["key"]: row["value"] for row in cur.execute(
                 "SELECT key, value FROM stepmill.settings WHERE key IN ('policy_version', 'max_staleness')")}
             current = version_number(settings.get("policy_version"))
-            allowed = settings.get("max_staleness")
+            limits = [int(v) for v in (settings.get("max_staleness"), max_staleness) if v is not None]
+            allowed = min(limits) if limits else None
             oldest_allowed = None if current is None or allowed is None else current - int(allowed)
             leased: list[str] = []
             while len(leased) < n:
@@ -538,10 +551,12 @@ class Coordinator:
                         cur.execute("UPDATE stepmill.groups SET state = 'stale', lease_id = NULL, consumer = NULL,"
                                     " lease_until = NULL WHERE id = %s", [row["id"]])
                         continue
+                    staleness = None if current is None or row["oldest_version"] is None \
+                        else current - row["oldest_version"]
                     lease = cur.execute(
-                        "INSERT INTO stepmill.leases (group_id, consumer, lease_until)"
-                        " VALUES (%s, %s, now() + %s * interval '1 second') RETURNING id, lease_until",
-                        [row["id"], consumer, lease_s]).fetchone()
+                        "INSERT INTO stepmill.leases (group_id, consumer, lease_until, policy_version, staleness)"
+                        " VALUES (%s, %s, now() + %s * interval '1 second', %s, %s) RETURNING id, lease_until",
+                        [row["id"], consumer, lease_s, settings.get("policy_version"), staleness]).fetchone()
                     cur.execute("UPDATE stepmill.groups SET state = 'leased', lease_id = %s, consumer = %s,"
                                 " lease_until = %s WHERE id = %s",
                                 [lease["id"], consumer, lease["lease_until"], row["id"]])
@@ -596,17 +611,66 @@ class Coordinator:
     def ack(self, claim: Claim) -> None:
         """The group is consumed: it is never handed out again. Acknowledging again under the same claim does
         nothing; a claim whose lease ran out and whose group went to another consumer is refused (Conflict)."""
+        self.ack_many([claim])
+
+    def ack_many(self, claims: list[Claim]) -> None:
+        """The groups are consumed, all in one transaction or none: a claim no longer held (its lease ran out
+        and another consumer took the group, or it was given back) makes it a Conflict naming each such
+        group (its ``groups``), and nothing is acknowledged. Claims acknowledged already do nothing more."""
+        claims = list(claims)
+        for claim in claims:
+            if not isinstance(claim, Claim):
+                raise BadInput(f"expected a Claim, got {type(claim).__name__}")
+        if not claims:
+            return
 
         def work(cur):
-            row = self._held_group(cur, claim)
-            if row["lease_id"] != claim.lease_id or row["state"] not in ("leased", "acked"):
-                raise self._not_held(claim, row)
-            if row["state"] == "leased":
+            ids = sorted({claim.group_id for claim in claims})
+            rows = {row["id"]: row for row in cur.execute(  # locked in one order: concurrent acks never deadlock
+                "SELECT id, state, lease_id, consumer FROM stepmill.groups WHERE id = ANY(%s) ORDER BY id FOR UPDATE",
+                [ids])}
+            unknown = [group for group in ids if group not in rows]
+            if unknown:
+                raise NotFound(f"no group {', '.join(map(repr, unknown))} is registered with the coordinator")
+            lost = [claim for claim in claims if rows[claim.group_id]["lease_id"] != claim.lease_id
+                    or rows[claim.group_id]["state"] not in ("leased", "acked")]
+            if lost:
+                error = self._not_held(lost[0], rows[lost[0].group_id]) if len(claims) == 1 else Conflict(
+                    "; ".join(str(self._not_held(c, rows[c.group_id])) for c in lost)
+                    + f". None of the {len(claims)} groups was acknowledged")
+                error.groups = [claim.group_id for claim in lost]
+                raise error
+            acking = [c for c in claims if rows[c.group_id]["state"] == "leased"]
+            if acking:
                 cur.execute("UPDATE stepmill.groups SET state = 'acked', acked_at = now(), lease_until = NULL"
-                            " WHERE id = %s", [claim.group_id])
-                cur.execute("UPDATE stepmill.leases SET ended = 'acked', ended_at = now() WHERE id = %s",
-                            [claim.lease_id])
+                            " WHERE id = ANY(%s)", [[c.group_id for c in acking]])
+                cur.execute("UPDATE stepmill.leases SET ended = 'acked', ended_at = now() WHERE id = ANY(%s)",
+                            [[c.lease_id for c in acking]])
         self._run(work)
+
+    def release_many(self, claims: list[Claim]) -> list[str]:
+        """Give back those of the groups still held under these claims, in one transaction, to be handed out
+        again at once; returns them (the others are left as they are)."""
+        claims = list(claims)
+        for claim in claims:
+            if not isinstance(claim, Claim):
+                raise BadInput(f"expected a Claim, got {type(claim).__name__}")
+        if not claims:
+            return []
+
+        def work(cur):
+            rows = {row["id"]: row for row in cur.execute(
+                "SELECT id, state, lease_id FROM stepmill.groups WHERE id = ANY(%s) ORDER BY id FOR UPDATE",
+                [sorted({c.group_id for c in claims})])}
+            held = [c for c in claims if c.group_id in rows and rows[c.group_id]["state"] == "leased"
+                    and rows[c.group_id]["lease_id"] == c.lease_id]
+            if held:
+                cur.execute("UPDATE stepmill.groups SET state = 'open', lease_id = NULL, consumer = NULL,"
+                            " lease_until = NULL WHERE id = ANY(%s)", [[c.group_id for c in held]])
+                cur.execute("UPDATE stepmill.leases SET ended = 'released', ended_at = now() WHERE id = ANY(%s)",
+                            [[c.lease_id for c in held]])
+            return [c.group_id for c in held]
+        return self._run(work)
 
     def release(self, claim: Claim) -> None:
         """Give the group back unconsumed, to be handed out again at once. Releasing twice does nothing."""
@@ -642,12 +706,14 @@ class Coordinator:
 
     def history(self, group_id: str) -> list[dict]:
         """Every lease the group was given, oldest first: lease_id, consumer, claimed_at, lease_until, ended
-        (acked | released | expired | None while held), ended_at; times in epoch seconds."""
+        (acked | released | expired | None while held), ended_at; times in epoch seconds; policy_version (the
+        fleet's at the claim) and staleness (how many versions the group was behind; None: not integers)."""
         _id(group_id, "a group id")
         return self._run(lambda cur: cur.execute(
             "SELECT id AS lease_id, consumer, extract(epoch FROM claimed_at)::float8 AS claimed_at,"
             " extract(epoch FROM lease_until)::float8 AS lease_until, ended, extract(epoch FROM ended_at)::float8"
-            " AS ended_at FROM stepmill.leases WHERE group_id = %s ORDER BY id", [group_id]).fetchall())
+            " AS ended_at, policy_version, staleness FROM stepmill.leases WHERE group_id = %s ORDER BY id",
+            [group_id]).fetchall())
 
     # --- nodes that went away ------------------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ Both tables are append-only; what holds now is derived from them:
 - **Review state**: the latest ``label`` (good | bad | needs-fix) and ``trainable`` (true | false)
   review of a target.
 - **The gate** (``gate_reasons``): a step is out of training data when it or its trajectory is
-  labelled bad (rejected) or needs-fix, or is marked untrainable. Exports and the trainer bridge
+  labelled bad (rejected) or needs-fix, or is marked untrainable, when it belongs to an earlier
+  attempt of its run, or when its call started after its trajectory was completed. Exports and the trainer bridge
   read through it.
 """
 
@@ -105,8 +106,12 @@ _LATEST = ("(SELECT value FROM reviews r WHERE r.target_kind = '{kind}' AND r.ta
 # A registered run's trajectory that runs again (a cut-short run resumed) is registered again: its
 # steps from before the latest registration are an earlier attempt's, whenever they were committed.
 _EARLIER_ATTEMPT = ("WHEN EXISTS (SELECT 1 FROM run_credentials rc WHERE rc.trajectory_id = s.trajectory_id"
-                    " AND rc.created_at > s.started_at) THEN 'an earlier attempt of its run' ")
-GATE_REASON = "CASE " + _EARLIER_ATTEMPT + " ".join(
+                    " AND rc.revoked_at IS NULL AND rc.created_at > s.started_at) THEN 'an earlier attempt of its run' ")
+# A call that started after its trajectory was completed was made by something the run left behind,
+# whatever let it through: it is not part of what was scored.
+_LATE = ("WHEN s.started_at > (SELECT t.completed_at FROM trajectories t WHERE t.id = s.trajectory_id)"
+         " THEN 'started after its trajectory completed' ")
+GATE_REASON = "CASE " + _EARLIER_ATTEMPT + _LATE + " ".join(
     f"WHEN {_LATEST.format(kind=kind, id=ref, action='label')} = '{label}' THEN '{kind} {reason}' "
     for kind, ref in (("step", "s.id"), ("trajectory", "s.trajectory_id"))
     for label, reason in (("bad", "rejected"), ("needs-fix", "needs a fix"))

@@ -14,6 +14,7 @@
 - ``stats.Stats``: counts
 - ``consumption.Consumption``: trainers' claims and acks of groups
 - ``reviewers.Reviewers``: the UI's named reviewers and their sign-in tokens
+- ``training.Training``: training runs' numbers per policy version
 
 ``interface.StoreInterface`` lists what callers use of it (what another backend provides).
 """
@@ -32,12 +33,13 @@ from stepmill.store.stats import Stats
 from stepmill.store.steps import Steps
 from stepmill.store.token_ids import TokenIds
 from stepmill.store.trajectories import Trajectories
+from stepmill.store.training import Training
 
 __all__ = ["Store"]
 
 
 class Store(Transactions, State, Blobs, Trajectories, Steps, TokenIds, History, Export, Curation, Stats,
-            Consumption, Reviewers):
+            Consumption, Reviewers, Training):
     """Read and write step records. Safe to open from several processes at once."""
 
     def __init__(self, path: str, *, cache_size: int = 512, readonly: bool = False):

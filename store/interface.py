@@ -15,12 +15,12 @@ keeps its calls in the journal on that one and tries again.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from stepmill.store.consumption import Claim
+    from stepmill.store.consumption import Claim, Claims
     from stepmill.store.records import StepRecord
 
 
@@ -59,7 +59,7 @@ class StoreInterface(Protocol):
 
     def policy_version(self) -> str | None: ...
 
-    def set_policy_version(self, version: str | int | None) -> None: ...
+    def set_policy_version(self, version: str | int | None, *, since: float | None = None) -> None: ...
 
     # -- trajectories, groups and registered runs -----------------------------------------------
     def trajectory(self, trajectory_id: str) -> dict | None: ...
@@ -79,7 +79,12 @@ class StoreInterface(Protocol):
 
     def unsuccessful_runs(self) -> list[str]: ...
 
-    def register_run(self, trajectory_id: str, secret_hash: str) -> dict: ...
+    def register_run(self, trajectory_id: str, secret_hash: str, *, door: str | None = None,
+                     hosts: list | None = None) -> dict: ...
+
+    def latest_run(self, trajectory_id: str) -> dict | None: ...
+
+    def revoke_run(self, trajectory_id: str) -> dict | None: ...
 
     def registered_runs(self, after_rowid: int = 0) -> list[dict]: ...
 
@@ -165,6 +170,26 @@ class StoreInterface(Protocol):
     def ack_group(self, consumer: str, group_id: str, *, rows: int | None = None) -> None:
         """``rows`` None keeps what ``set_group_rows`` recorded."""
 
+    def claim_groups(self, consumer: str, k: int = 1, *, session: str | None = None, channel: str = "train",
+                     n: int = 8, lease_seconds: float = 600, max_staleness: int | None = None,
+                     scored: bool = False, now: float | None = None) -> Claims:
+        """Up to ``k`` groups in one transaction: the name's groups held under another session first (a
+        restart), never one the session holds; staleness kept with each."""
+
+    def ack_groups(self, consumer: str, group_ids: Iterable[str], *, session: str | None = None,
+                   rows: Mapping[str, int] | None = None) -> None:
+        """All in one transaction or none: ``Conflict`` naming each group no longer held."""
+
+    def release_groups(self, consumer: str, group_ids: Iterable[str], *, session: str | None = None) -> list[str]:
+        """Those held given back, ready at once; returns them."""
+
+    def renew_groups(self, consumer: str, group_ids: Iterable[str], *, session: str | None = None,
+                     lease_seconds: float = 600, now: float | None = None) -> list[str]:
+        """Leases of the groups held extended; returns the groups no longer held."""
+
+    def consumption_staleness(self, *, channel: str | None = None, consumer: str | None = None) -> list[dict]:
+        """One row per group handed out or set aside: consumer, status, staleness, policy versions."""
+
     # -- reviewers ------------------------------------------------------------------------------
     def create_reviewer(self, name: str) -> str:
         """A new sign-in token for ``name`` (replacing any earlier one); only its hash is kept."""
@@ -181,3 +206,14 @@ class StoreInterface(Protocol):
     def rewards_by_agent(self) -> list[dict]: ...
 
     def group_reward_ranges(self) -> list[dict]: ...
+
+    # -- training -------------------------------------------------------------------------------
+    def record_train_metrics(self, run: str, version: int, metrics: dict) -> None:
+        """A training run's numbers for one policy version (finite numbers or None)."""
+
+    def train_metrics(self, run: str | None = None) -> list[dict]:
+        """One row per run and version: ``{"run", "version", <name>: value, …}``."""
+
+    def train_runs(self) -> list[str]: ...
+
+    def mean_trajectory_reward(self, id_prefix: str) -> float | None: ...

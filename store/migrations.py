@@ -237,6 +237,35 @@ def _m009_policy_history(db: sqlite_utils.Database) -> None:
         db.conn.execute("INSERT INTO policy_versions (set_at, version) VALUES (0, ?)", [current[0]])
 
 
+def _m010_training(db: sqlite_utils.Database) -> None:
+    # What `stepmill train` measured per policy version, for a run and its paired control.
+    db["train_metrics"].create({"run": str, "version": int, "name": str, "value": float, "recorded_at": str},
+                               pk=("run", "version", "name"))
+
+
+def _m011_revocations(db: sqlite_utils.Database) -> None:
+    # A run's secret dies with the run: a revocation is a newer row of the trajectory without a secret
+    # (every reader of registrations takes the newest row of a trajectory as the one in force).
+    db["run_credentials"].add_column("revoked_at", str)
+
+
+def _m012_consumption_sessions(db: sqlite_utils.Database) -> None:
+    # A trainer claims several groups for one optimizer step: the consumer instance (its session)
+    # holding each, so it is never handed one it holds and a restart under the same name takes them
+    # up; and how far behind the policy each group was when claimed (NULL: versions not integers).
+    consumption = db["consumption"]
+    for name, typ in [("holder", str), ("staleness", int), ("policy_version", str), ("oldest_version", str)]:
+        consumption.add_column(name, typ)
+    consumption.create_index(["consumer", "status"])
+
+
+def _m013_doors(db: sqlite_utils.Database) -> None:
+    # A sandboxed run's door: the loopback address its calls reach the proxy from, and the hosts
+    # (JSON list) it may reach through the proxy besides LLM calls.
+    db["run_credentials"].add_column("door", str)
+    db["run_credentials"].add_column("hosts", str)
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("capture", _m001_capture),
     ("tokens", _m002_tokens),
@@ -247,6 +276,10 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("runs", _m007_runs),
     ("dashboard", _m008_dashboard),
     ("policy_history", _m009_policy_history),
+    ("training", _m010_training),
+    ("revocations", _m011_revocations),
+    ("consumption_sessions", _m012_consumption_sessions),
+    ("doors", _m013_doors),
 ]
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass
 class StepRecord:
-    api: str  # openai.chat | openai.completions | openai.responses | anthropic.messages | control
+    api: str  # openai.chat | openai.completions | openai.responses | anthropic.messages | gemini.generate | sglang.generate | control
     transport: str = "http"  # http | sse | websocket
     host: str | None = None
     path: str | None = None

@@ -41,20 +41,22 @@ class State:
     def policy_version(self) -> str | None:
         return self.get_state("policy_version")
 
-    def set_policy_version(self, version: str | int | None) -> None:
-        """The version from now on, and in the history (same transaction) the calls are stamped from."""
+    def set_policy_version(self, version: str | int | None, *, since: float | None = None) -> None:
+        """The version from now on (from ``since``, epoch seconds, when given: a trainer that paused its
+        engine sets the new version from the pause, so every call the engine held is stamped with the
+        weights it is served by), and in the history (same transaction) the calls are stamped from."""
         value = None if version is None else str(version)
         if self._batch is not None:
-            self._set_policy_version(self.db.conn, value)
+            self._set_policy_version(self.db.conn, value, since)
             return
         with self.write() as conn:
-            self._set_policy_version(conn, value)
+            self._set_policy_version(conn, value, since)
 
-    def _set_policy_version(self, conn, value: str | None) -> None:
+    def _set_policy_version(self, conn, value: str | None, since: float | None = None) -> None:
         self._set_state(conn, "policy_version", value)
         # Never earlier than the last one: a clock stepped back must not put an older version after a newer.
         conn.execute("INSERT INTO policy_versions (set_at, version) SELECT max(?, coalesce(max(set_at), 0)), ?"
-                     " FROM policy_versions", [time.time(), value])
+                     " FROM policy_versions", [time.time() if since is None else min(since, time.time()), value])
 
     def policy_version_at(self, when: float) -> str | None:
         """The version in effect at ``when`` (epoch seconds): the last one set by then (None before any)."""

@@ -87,15 +87,24 @@ class Trajectories:
             "SELECT id FROM trajectories WHERE json_extract(metadata, '$.outcome') != 'ok'")]
 
     # -- registered runs ------------------------------------------------------------------
-    def register_run(self, trajectory_id: str, secret_hash: str) -> dict:
-        """The runner's run: its trajectory (which must exist) may now be written only with the secret."""
+    def register_run(self, trajectory_id: str, secret_hash: str, *, door: str | None = None,
+                     hosts: list | None = None) -> dict:
+        """The runner's run: its trajectory (which must exist) may now be written only with the secret.
+        ``door``: the loopback address a sandboxed run's calls come from (Conflict while a run not
+        revoked has it); ``hosts``: what else it may reach through the proxy."""
         with self.write() as conn:
             row = conn.execute("SELECT group_id, channel FROM trajectories WHERE id = ?", [trajectory_id]).fetchone()
             if row is None:
                 raise NotFound(trajectory_id)
+            if door is not None and conn.execute(
+                    "SELECT 1 FROM run_credentials rc WHERE door = ? AND trajectory_id != ? AND rowid ="
+                    " (SELECT max(rowid) FROM run_credentials WHERE trajectory_id = rc.trajectory_id)"
+                    " AND revoked_at IS NULL", [door, trajectory_id]).fetchone():
+                raise Conflict(f"door {door} belongs to a run that has not ended")
             cursor = conn.execute(
-                "INSERT INTO run_credentials (trajectory_id, group_id, channel, secret_hash, created_at)"
-                " VALUES (?, ?, ?, ?, ?)", [trajectory_id, row[0], row[1], secret_hash, now_iso()])
+                "INSERT INTO run_credentials (trajectory_id, group_id, channel, secret_hash, created_at, door, hosts)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)", [trajectory_id, row[0], row[1], secret_hash, now_iso(), door,
+                                                  dumps(hosts) if hosts else None])
             # A trajectory nobody registered that already sits in this group (written before any run of
             # it was registered) would keep the group open for ever: it moves to a group of its own.
             for (foreign,) in conn.execute(
@@ -103,12 +112,40 @@ class Trajectories:
                     " (SELECT trajectory_id FROM run_credentials)", [row[0]]).fetchall() if row[0] else []:
                 set_trajectory_fields(conn, foreign, {"group_id": f"{row[0]}~unregistered"})
         return {"rowid": cursor.lastrowid, "trajectory_id": trajectory_id, "group_id": row[0], "channel": row[1],
-                "secret_hash": secret_hash}
+                "secret_hash": secret_hash, "door": door, "hosts": list(hosts or [])}
+
+    def latest_run(self, trajectory_id: str) -> dict | None:
+        """The run's registration (or revocation) in force, read only; None when it was never registered."""
+        rows = self.query("SELECT rowid, trajectory_id, group_id, channel, secret_hash, revoked_at, door"
+                          " FROM run_credentials WHERE trajectory_id = ? ORDER BY rowid DESC LIMIT 1", [trajectory_id])
+        return rows[0] if rows else None
+
+    def revoke_run(self, trajectory_id: str) -> dict | None:
+        """The run's secret stops working: a newer row without one (None when it was never registered,
+        the row in force when it is revoked already)."""
+        with self.write() as conn:
+            row = conn.execute("SELECT rowid, group_id, channel, secret_hash, revoked_at, door FROM run_credentials"
+                               " WHERE trajectory_id = ? ORDER BY rowid DESC LIMIT 1", [trajectory_id]).fetchone()
+            if row is None:
+                return None
+            if row[4] is not None:
+                return {"rowid": row[0], "trajectory_id": trajectory_id, "group_id": row[1], "channel": row[2],
+                        "secret_hash": row[3], "revoked_at": row[4], "door": row[5]}
+            revoked_at = now_iso()
+            cursor = conn.execute(  # the door stays the run's: what still comes through it is refused
+                "INSERT INTO run_credentials (trajectory_id, group_id, channel, secret_hash, created_at, revoked_at,"
+                " door) VALUES (?, ?, ?, '', ?, ?, ?)", [trajectory_id, row[1], row[2], revoked_at, revoked_at, row[5]])
+        return {"rowid": cursor.lastrowid, "trajectory_id": trajectory_id, "group_id": row[1], "channel": row[2],
+                "secret_hash": "", "revoked_at": revoked_at, "door": row[5]}
 
     def registered_runs(self, after_rowid: int = 0) -> list[dict]:
-        """Registrations newer than ``after_rowid``, oldest first (a later one replaces an earlier)."""
-        return self.query("SELECT rowid, trajectory_id, group_id, channel, secret_hash FROM run_credentials"
-                          " WHERE rowid > ? ORDER BY rowid", [after_rowid])
+        """Registrations and revocations newer than ``after_rowid``, oldest first (a later one replaces
+        an earlier)."""
+        rows = self.query("SELECT rowid, trajectory_id, group_id, channel, secret_hash, revoked_at, door, hosts"
+                          " FROM run_credentials WHERE rowid > ? ORDER BY rowid", [after_rowid])
+        for row in rows:
+            row["hosts"] = loads(row["hosts"]) or []
+        return rows
 
     def run_readiness(self) -> list[dict]:
         """How far each run registered in this file is (what a node reports to the coordinator):
@@ -127,8 +164,8 @@ class Trajectories:
 
     def registered_at(self, trajectory_id: str) -> str | None:
         """When the run's latest attempt was registered (its steps start after), or None."""
-        row = self.db.conn.execute("SELECT max(created_at) FROM run_credentials WHERE trajectory_id = ?",
-                                   [trajectory_id]).fetchone()
+        row = self.db.conn.execute("SELECT max(created_at) FROM run_credentials WHERE trajectory_id = ?"
+                                   " AND revoked_at IS NULL", [trajectory_id]).fetchone()
         return row[0] if row else None
 
     # -- scoring fields: a task's answers and tests, apart from what agents can read ------------

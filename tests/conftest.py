@@ -288,3 +288,15 @@ def ray_cluster():
         cluster.shutdown()
 
 from .real_engine import vllm  # noqa: E402,F401
+
+
+# End-to-end modules (a real engine, a Ray cluster, PostgreSQL, the agent CLIs, the whole demo): `make test`
+# runs the rest first (`-m "not slow"`), then these (`-m slow`). A new such module marks itself.
+SLOW_MODULES = {"test_real_vllm", "test_agent_recipes", "test_ray_rollout", "test_ray_data", "test_fleet",
+                "test_fleet_ui", "test_coordinator", "test_demo", "test_workers"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

@@ -7,7 +7,7 @@ while the bytes go to the test upstream. Loaded with an extra `-s`, it also show
 
 from mitmproxy import ctx
 
-REDIRECTED = ("api.openai.com", "api.anthropic.com", "engine.local", "gateway.local", "sglang.local")
+REDIRECTED = ("api.openai.com", "api.anthropic.com", "generativelanguage.googleapis.com", "engine.local", "gateway.local", "sglang.local")
 
 
 class RedirectHosts:

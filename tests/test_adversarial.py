@@ -13,6 +13,7 @@ the folders around them). The runner has STEPMILL_TOKEN in its environment.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -80,6 +81,7 @@ class Stack:
     sim_url: str
     processes: list = field(default_factory=list)
     rollouts: dict = field(default_factory=dict)
+    planted: list = field(default_factory=list)  # folders the test made outside its base, removed after
     proxy_log: str = ""
 
     @property
@@ -99,12 +101,19 @@ class Stack:
         return path
 
 
-def start_stack(mode: str, logs: Path, sim_url: str) -> Stack:
+def start_stack(mode: str, logs: Path, sim_url: str, data_mb: int | None = None) -> Stack:
+    """``data_mb``: the database (and the runs' folders, through TMPDIR) on a tmpfs of that size."""
     marker = f"{mode[:3]}{os.urandom(4).hex()}"
     base = Path(tempfile.mkdtemp(prefix="stepmill-adversarial-", dir="/var/tmp"))
     for folder in (base, base / "home", base / "data", base / "cfg"):
         folder.mkdir(exist_ok=True)
         folder.chmod(0o755)
+    if data_mb is not None:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={data_mb}m,mode=1777", "tmpfs",
+                                  str(base / "data")], capture_output=True, text=True, check=False)
+        if mounted.returncode != 0:
+            shutil.rmtree(base, ignore_errors=True)
+            pytest.skip(f"a small tmpfs cannot be mounted here: {mounted.stderr.strip()}")
     home = base / "home"
     confdir, db = home / ".mitmproxy", base / "data" / "steps.db"
     token = ensure_token(str(confdir))  # stepmill's own token file, as a first `stepmill proxy` leaves it
@@ -181,13 +190,14 @@ class Rollout:
 
 
 def run_rollout(stack: Stack, name: str, *, agents: str, run_agents: list[str], tasks: list[dict],
-                concurrency: int, timeout: int = 120, route: str = "") -> Rollout:
+                concurrency: int, timeout: int = 120, route: str = "", isolation_extra: str = "") -> Rollout:
     dataset = f"{name}-{stack.marker}"
     cfg = stack.base / "cfg"
     marker = stack.marker
     stack.private(cfg / f"{name}.jsonl", "".join(
         json.dumps({**task, "difficulty": "easy", "key_note": f"ANSWER-KEY-{marker}"}) + "\n" for task in tasks))
     isolation = f'mode = "{stack.mode}"' + (f"\nfirst_uid = {FIRST_UID}" if stack.mode == "user" else "")
+    isolation += f"\n{isolation_extra}" if isolation_extra else ""
     config = stack.private(cfg / f"{name}.toml", f"""
 [proxy]
 url = "http://127.0.0.1:{stack.port}"
@@ -340,12 +350,12 @@ def _error(attempt: dict) -> str:
 
 
 def _hidden_or_private(stat: dict, mode: str) -> None:
-    """Sandbox: /dev/null is bound over the file (a device on a nodev mount: EACCES to open); user
+    """Sandbox: not there at all (the runner's folders are no part of the run's file system); user
     mode: the file itself, root's and owner-only."""
-    assert stat["ok"], stat
     if mode == "sandbox":
-        assert stat["value"]["char_device"] and stat["value"]["size"] == 0, stat
+        assert _error(stat) == "FileNotFoundError", stat
     else:
+        assert stat["ok"], stat
         assert stat["value"]["regular"] and stat["value"]["uid"] == 0 and stat["value"]["mode"] == "0o600", stat
 
 
@@ -406,7 +416,7 @@ def test_the_token_file_is_hidden_in_the_sandbox_and_owner_only_for_other_uids(a
     assert _error(attempts["token_file_own_home"]) == "FileNotFoundError"
     assert attempts["token_in_own_env"] is False
     if mode == "sandbox":
-        assert attempts["confdir_listing"] == {"ok": True, "value": []}  # an empty tmpfs over it
+        assert _error(attempts["confdir_listing"]) == "FileNotFoundError"  # the runner's home is not there
     else:
         assert "stepmill-token" in attempts["confdir_listing"]["value"]  # seen, not read (0600)
         assert (stack.confdir / "stepmill-token").stat().st_mode & 0o077 == 0
@@ -427,7 +437,7 @@ def test_no_other_process_environment_gives_the_token_or_a_run_secret(attacked, 
             assert entry.get("trajectory") in (None, own), entry  # a readable environment is only its own run's
         commands = " ".join(entry["cmdline"] for entry in seen)
         if mode == "sandbox":  # its own PID namespace: bwrap's init and its own processes only
-            assert "victim.py" not in commands and "stepmill.cli" not in commands and "rollout" not in commands
+            assert "victim.py" not in commands and "stepmill.cli" not in commands and " rollout " not in commands
             assert all("bwrap" in e["cmdline"] or "attack.py" in e["cmdline"] or "umount" in e["cmdline"]
                        for e in seen), seen
     if mode == "user":  # every process is visible; none but its own lets its environment be read
@@ -447,13 +457,12 @@ def test_the_database_can_be_neither_read_nor_written(attacked, mode):
     stack = attacked(mode)
     rollout, attempts = _attacker(stack)
     for name in ("db", "wal", "shm"):
-        assert _error(attempts[f"{name}_read"]) == "PermissionError"
+        assert _error(attempts[f"{name}_read"]) == ("FileNotFoundError" if mode == "sandbox" else "PermissionError")
         _hidden_or_private(attempts[f"stat:{name}"], mode)
     assert _error(attempts["db_select"]) == "OperationalError"
     assert _error(attempts["db_write_human_reward"]) == "OperationalError"
     if mode == "sandbox":
-        # The database's folder: a tmpfs of the run's own, with /dev/null over the names of its files
-        assert set(attempts["db_folder_listing"]["value"]) <= {"steps.db", "steps.db-wal", "steps.db-shm"}
+        assert _error(attempts["db_folder_listing"]) == "FileNotFoundError"  # not there at all
     else:
         assert {p.name for p in stack.db.parent.iterdir() if p.name.startswith("steps.db")} >= {"steps.db"}
         for path in stack.db.parent.iterdir():
@@ -490,6 +499,9 @@ def test_datasette_answers_an_anonymous_agent_nothing(attacked, mode):
     _, attempts = _attacker(stack)
     for name in ("ui:select_1", "ui:scoring_fields", "ui:table_json", "ui:db_json", "ui:through_proxy"):
         got = attempts[name]
+        if mode == "sandbox" and name != "ui:through_proxy":  # a network of its own: nothing there
+            assert _error(got) == "ConnectionRefusedError", got
+            continue
         assert got["ok"], got
         answer = got["value"]
         assert answer["status"] in (302, 303, 401, 403), (name, answer)  # refused, or sent to sign in
@@ -529,7 +541,7 @@ def test_the_dataset_and_the_configuration_are_unreadable(attacked, mode):
     stack = attacked(mode)
     rollout, attempts = _attacker(stack)
     for name in ("dataset", "config"):
-        assert _error(attempts[f"{name}_read"]) == "PermissionError"
+        assert _error(attempts[f"{name}_read"]) == ("FileNotFoundError" if mode == "sandbox" else "PermissionError")
         _hidden_or_private(attempts[f"stat:{name}"], mode)
     own_files = attempts["own_run_folder"]["value"]
     assert not any("ANSWER-KEY" in text or "395" in text for text in own_files.values()), own_files
@@ -564,12 +576,20 @@ def test_hijacking_another_run_by_header_credentials_or_path_is_403_and_writes_n
     rollout, attempts = _attacker(stack)
     for name in REFUSED_HIJACKS:
         got = attempts[f"hijack:{name}"]
+        if mode == "sandbox" and name.startswith("reverse_"):  # its route has no reverse listener: no door to it
+            assert _error(got) == "ConnectionRefusedError", (name, got)
+            continue
         assert got["ok"], (name, got)
         assert got["value"]["status"] == 403, (name, got)
         assert got["value"]["body"]["error"]["type"] == "stepmill_refused", (name, got)
         assert not _steps_with(stack, f"HIJACK-{name}-{stack.marker}"), name
     victim, intruder = rollout.tid("t01", "victim"), f"intruder-{stack.marker}"
     refused = [line for line in stack.proxy_log.splitlines() if "stepmill: refused" in line]
+    if mode == "sandbox":  # the proxy knows the run from its door: whatever it names but itself is refused
+        attacker = rollout.tid("t01", "attacker")
+        assert any(f"came through the door of run {attacker!r}" in line and repr(victim) in line for line in refused)
+        assert any(f"came through the door of run {attacker!r}" in line and repr(intruder) in line for line in refused)
+        return
     assert any(f"trajectory {victim!r} is a registered run" in line and "lacks" in line for line in refused)
     assert any(f"trajectory {victim!r} is a registered run" in line and "gets wrong" in line for line in refused)
     assert any("not tag headers" in line for line in refused)
@@ -659,7 +679,7 @@ def test_no_capability_no_unmount_no_write_outside_the_run(attacked, mode):
     assert _error(attempts["token_after_unmount"]) == ("FileNotFoundError" if mode == "sandbox" else "PermissionError")
     write = attempts["write_beside_db"]
     _error(write)
-    assert write["errno"] == (30 if mode == "sandbox" else 13), write  # EROFS / EACCES
+    assert write["errno"] == (2 if mode == "sandbox" else 13), write  # ENOENT (not there at all) / EACCES
     assert not (stack.base / f"evil-{stack.marker}").exists()
 
 
@@ -735,10 +755,10 @@ def test_a_white_box_tool_cannot_reach_the_steps_pipe(attacked):
         assert _error(attempts["parent_fd_open"]) == "PermissionError"  # the host is not dumpable
         assert _error(attempts["parent_mem"]) == "PermissionError"
         assert attempts["ptrace_parent"]["value"]["result"] != 0
-        # Pipes it can open through /proc are processes' standard input (the task the runner fed),
-        # never the steps pipe: what it wrote there never became a step (below).
+        # Pipes it can open through /proc are processes' standard streams (the task the runner fed, the
+        # output the runner logs), never the steps pipe: what it wrote there never became a step (below).
         written = {where for where, got in attempts["proc_pipes"]["value"].items() if isinstance(got, dict) and got["ok"]}
-        assert all(where.endswith("/0") for where in written), written
+        assert all(where.endswith(("/0", "/1", "/2")) for where in written), written
     assert not _steps_with(stack, "TOOL-FORGED")
 
 
@@ -762,3 +782,427 @@ def test_user_mode_refuses_a_dataset_other_users_can_read(proxy, tmp_path):
         assert not store.query("SELECT id FROM trajectories WHERE id LIKE 'readable-%'")
     finally:
         store.close()
+
+
+# -- credentials that die with the run -------------------------------------------------------------------------
+def handoff_rollout(stack: Stack) -> Rollout:
+    """Two runs at once: the t01 run serves its proxy credentials on loopback and ends; the t02 run takes
+    them and, once t01 is over, calls as t01."""
+    env = (f'{{ INSIDER_MARKER = "{stack.marker}", INSIDER_GIVE_ON = "t01", INSIDER_LATE_AFTER = "4", '
+           f'INSIDER_GIVE_WAIT = "10", INSIDER_HANDOFF_PORT = "{free_port()}" }}')
+    return run_rollout(stack, "handoff", agents=black_box("handoff", "handoff.py", env), run_agents=["handoff"],
+                       tasks=TASKS, concurrency=2)
+
+
+@pytest.fixture(scope="module")
+def handed_over(simulated_llm, tmp_path_factory):
+    """``handed_over(mode)``: the stack of that mode after the handoff rollout ran on it."""
+    stacks: dict[str, Stack] = {}
+
+    def get(mode: str) -> Stack:
+        if mode == "sandbox" and iso.bwrap_problem():
+            pytest.skip(iso.bwrap_problem())
+        if mode not in stacks:
+            stack = stacks[mode] = start_stack(mode, tmp_path_factory.mktemp(f"handoff-{mode}"), simulated_llm.url)
+            try:
+                stack.rollouts["handoff"] = handoff_rollout(stack)
+                if mode == "sandbox":
+                    stack.rollouts["snoop"] = snoop_rollout(stack)
+                    stack.rollouts["net"] = netprobe_rollout(stack)
+            finally:
+                stop_stack(stack)
+        return stacks[mode]
+
+    yield get
+    for stack in stacks.values():
+        for planted in stack.planted:
+            shutil.rmtree(planted, ignore_errors=True)
+        for row in [row for rollout in stack.rollouts.values() for row in rollout.trajectories.values()]:
+            workdir = row["metadata"].get("workdir")
+            if workdir and "stepmill-rollout-" in workdir:
+                shutil.rmtree(Path(workdir).parent.parent, ignore_errors=True)
+        shutil.rmtree(stack.base, ignore_errors=True)
+
+
+def _finished_and_scored(rollout: Rollout, runs: int) -> None:
+    assert rollout.done.returncode == 0, rollout.done.stderr
+    assert f"{runs} runs finished (0 failed, 0 timed out)" in rollout.done.stderr, rollout.done.stderr
+    assert f"reward math-{rollout.stack.marker}: scored {runs}" in rollout.done.stderr, rollout.done.stderr
+
+
+def test_a_late_write_with_a_revoked_secret_is_403_and_writes_nothing(handed_over):
+    """isolation = none shares the network, so the credentials do change hands: what stops the late call
+    is that the giver's secret was revoked when its run ended (before scoring)."""
+    stack = handed_over("none")
+    rollout = stack.rollouts["handoff"]
+    _finished_and_scored(rollout, 2)
+    giver, taker = f"{rollout.dataset}-t01-0", f"{rollout.dataset}-t02-0"
+    assert rollout.report(giver)["attempts"]["give"]["ok"], rollout.logs[giver]
+    attempts = rollout.report(taker)["attempts"]
+    assert attempts["take"]["ok"] and giver in attempts["take"]["value"]["proxy"], attempts
+    late = attempts["late_call"]["value"]
+    assert late["status"] == 403 and "has ended: its credentials were revoked" in late["body"]["error"]["message"], late
+    assert not _steps_with(stack, f"LATE-HANDOFF-{stack.marker}")
+    store = _store(stack)
+    try:
+        for trajectory in (giver, taker):  # each scored on its own one honest call
+            assert store.query("SELECT count(*) AS n FROM steps WHERE trajectory_id = ?", [trajectory])[0]["n"] == 1
+            [row] = [r for r in store.completed_trajectories(id_prefix=trajectory)]
+            scored = trajectory_input(store, row)
+            assert len(scored["steps"]) == 1 and row["reward"] == math_answer(scored)[0], row
+    finally:
+        store.close()
+    assert any(f"run {giver!r} has ended: its credentials were revoked" in line
+               for line in stack.proxy_log.splitlines() if "stepmill: refused" in line)
+
+
+# -- files by allow-list -----------------------------------------------------------------------------------------
+def plant_secrets(stack: Stack) -> dict[str, str]:
+    """What the runner's user can read and a run must not: credentials in the runner's home (a
+    PostgreSQL password file, Ray's cluster token, an SSH key) and files of other users and services
+    under /home and /var. Path -> the secret in it."""
+    marker = stack.marker
+    planted = {stack.home / ".pgpass": f"db:5432:*:fleet:PGPASS-{marker}",
+               stack.home / ".ray" / "auth_token": f"RAY-TOKEN-{marker}",
+               stack.home / ".ssh" / "id_ed25519": f"SSH-KEY-{marker}",
+               Path(f"/home/stepmill-planted-{marker}") / "notes.txt": f"HOME-FILE-{marker}",
+               Path(f"/var/lib/stepmill-planted-{marker}") / "state.txt": f"VAR-FILE-{marker}"}
+    for path, text in planted.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not _within_base(stack, path):
+            stack.planted.append(path.parent)
+        path.write_text(text + "\n")
+        path.chmod(0o600 if path.name in (".pgpass", "id_ed25519") else 0o644)
+    return {str(path): text for path, text in planted.items()}
+
+
+def _within_base(stack: Stack, path: Path) -> bool:
+    return stack.base in path.parents
+
+
+def snoop_rollout(stack: Stack) -> Rollout:
+    secrets = plant_secrets(stack)
+    folders = ["/", "/root", "/home", "/var", "/srv", "/opt", "/mnt", "/media", str(stack.home), "/etc/ssh",
+               str(TESTS.parent), str(TESTS)]
+    env = "{ " + ", ".join(f"{key} = {json.dumps(value)}" for key, value in {
+        "INSIDER_READ": json.dumps([*secrets, "/etc/shadow"]), "INSIDER_LIST": json.dumps(folders)}.items()) + " }"
+    return run_rollout(stack, "snoop", agents=black_box("snoop", "snoop.py", env), run_agents=["snoop"],
+                       tasks=TASKS[:1], concurrency=1)
+
+
+def test_a_sandboxed_run_sees_no_home_no_var_no_secrets_of_the_runners_user(handed_over):
+    stack = handed_over("sandbox")
+    rollout = stack.rollouts["snoop"]
+    _finished_and_scored(rollout, 1)
+    attempts = rollout.report(f"{rollout.dataset}-t01-0")["attempts"]
+    for name, got in attempts.items():
+        if not name.startswith("read:"):
+            continue
+        # Not there at all (the runner's home, /home and /var are no part of the run's file system),
+        # or /etc's secrets, covered.
+        assert not got["ok"] or not got["value"]["text"].strip(), (name, got)
+        if name != "read:/etc/shadow":
+            assert got["error"] == "FileNotFoundError", (name, got)
+    listed = {name[len("list:"):]: got for name, got in attempts.items() if name.startswith("list:")}
+    # The system's trees, and the way to stepmill's interpreter and package folders (wherever the checkout is).
+    ways = {path.parts[1] for path in [*iso.code_paths(), stack.home] if len(path.parts) > 1}
+    assert set(listed["/"]["value"]) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp",
+                                         "usr", *ways}, listed["/"]
+    # Of the checkout, only the package's folders and what the run's command is: no README, history, tests.
+    checkout = listed[str(TESTS.parent)]
+    assert checkout["ok"] and not {"README.md", "pyproject.toml", ".git", "bench", "Makefile"} & set(checkout["value"]), checkout
+    assert set(listed[str(TESTS)]["value"]) <= {"adversary"}, listed[str(TESTS)]
+    for folder in ("/var", "/srv", "/opt", "/mnt", "/media", str(stack.home)):
+        assert listed[folder]["error"] == "FileNotFoundError", (folder, listed[folder])
+    for folder in ("/home", "/root"):  # at most the way to the interpreter and code runs use
+        assert not listed[folder]["ok"] or not any("stepmill-planted" in entry or entry.startswith(".")
+                                                   and entry not in (".pyenv",) for entry in listed[folder]["value"]), listed
+    assert listed["/etc/ssh"]["value"] == [], listed["/etc/ssh"]
+    assert stack.marker not in json.dumps(rollout.logs).replace(f"-{stack.marker}", "")
+
+
+# -- a network of its own ----------------------------------------------------------------------------------------
+def netprobe_rollout(stack: Stack) -> Rollout:
+    env = insider_env(stack, f"net-{stack.marker}", "net", "none", "none")
+    return run_rollout(stack, "net", agents=black_box("probe", "netprobe.py", env), run_agents=["probe"],
+                       tasks=TASKS[:1], concurrency=1)
+
+
+def test_runs_in_a_sandbox_cannot_hand_each_other_credentials_over_loopback(handed_over):
+    """Each sandboxed run has a network of its own: the giver's listener is in its namespace, the
+    taker's connection in another, where nothing listens."""
+    stack = handed_over("sandbox")
+    rollout = stack.rollouts["handoff"]
+    _finished_and_scored(rollout, 2)
+    giver, taker = f"{rollout.dataset}-t01-0", f"{rollout.dataset}-t02-0"
+    assert _error(rollout.report(giver)["attempts"]["give"]) == "TimeoutError", rollout.logs[giver]
+    took = rollout.report(taker)["attempts"]
+    assert _error(took["take"]) == "ConnectionRefusedError" and "late_call" not in took, took
+    assert not _steps_with(stack, f"LATE-HANDOFF-{stack.marker}")
+    for trajectory in (giver, taker):
+        assert rollout.trajectories[trajectory]["metadata"]["outcome"] == "ok"
+
+
+def _probe(stack: Stack) -> tuple[Rollout, dict]:
+    rollout = stack.rollouts["net"]
+    _finished_and_scored(rollout, 1)
+    return rollout, rollout.report(f"{rollout.dataset}-t01-0")["attempts"]
+
+
+def _refused(got: dict, why: str) -> None:
+    assert got["ok"] and got["value"]["status"] == 403, got
+    assert got["value"]["body"]["error"]["type"] == "stepmill_refused" and why in got["value"]["body"]["error"]["message"], got
+
+
+def test_a_sandboxed_run_reaches_no_engine_admin_route_and_no_localhost_service(handed_over):
+    """Straight (not through the proxy) nothing answers on the run's loopback but its door; through
+    the proxy an engine's admin routes are refused to everyone, and a run reaches only its LLM."""
+    stack = handed_over("sandbox")
+    rollout, attempts = _probe(stack)
+    for name in ("engine_admin_straight", "engine_chat_straight", "ui_straight"):
+        assert _error(attempts[name]) == "ConnectionRefusedError", (name, attempts[name])
+    _refused(attempts["engine_admin_proxied"], "admin routes")
+    _refused(attempts["engine_admin_proxied_dotted"], "admin routes")
+    assert attempts["engine_models_proxied"]["value"]["status"] == 200  # the LLM's own host: reachable
+    _refused(attempts["ui_proxied"], "reaches only its LLM")
+    _refused(attempts["internet_proxied"], "reaches only its LLM")
+    assert attempts["health_proxied"]["value"] == {"status": 200, "body": {"ok": True}, "location": None}
+    assert not _steps_with(stack, f"STRAIGHT-{stack.marker}")
+
+
+def test_a_sandboxed_run_cannot_name_a_trajectory_of_its_own_invention(handed_over):
+    """The proxy knows from the connection which run sent a call: credentials or a tagged path naming a
+    trajectory nobody registered are refused; a call naming none is the run's own."""
+    stack = handed_over("sandbox")
+    rollout, attempts = _probe(stack)
+    own = f"{rollout.dataset}-t01-0"
+    for name in ("intruder_credentials", "intruder_path"):
+        _refused(attempts[name], f"came through the door of run {own!r}")
+    assert not _steps_with(stack, f"INTRUDER-")
+    assert attempts["no_credentials"]["value"]["status"] == 200, attempts["no_credentials"]
+    [anonymous] = _steps_with(stack, f"ANONYMOUS-{stack.marker}")
+    assert anonymous["trajectory_id"] == own and anonymous["channel"] == "train"
+    store = _store(stack)
+    try:
+        assert store.trajectory(f"intruder-{stack.marker}") is None
+    finally:
+        store.close()
+
+
+# -- limits per run, and a rollout that survives its worst run --------------------------------------------------
+HOG_TASKS = [{"id": f"t0{i}", "prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(1, 5)]
+
+
+@pytest.fixture(scope="module")
+def hogged(simulated_llm, tmp_path_factory):
+    """A sandboxed rollout whose runs' folders live on a small tmpfs (16 MiB): at once a run that starts
+    5,000 processes, one that allocates 1 GiB, one that writes 64 MiB to stdout, and an honest one."""
+    if iso.bwrap_problem():
+        pytest.skip(iso.bwrap_problem())
+    stack = start_stack("sandbox", tmp_path_factory.mktemp("hogged"), simulated_llm.url)
+    small = stack.base / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=1777", "tmpfs", str(small)],
+                             capture_output=True, text=True, check=False)
+    try:
+        if mounted.returncode != 0:
+            pytest.skip(f"a small tmpfs cannot be mounted here: {mounted.stderr.strip()}")
+        env = ('{ INSIDER_HOG_t01 = "fork", INSIDER_HOG_t02 = "memory", INSIDER_HOG_t03 = "flood", '
+               'INSIDER_FORKS = "5000", INSIDER_MEGABYTES = "1024", INSIDER_FLOOD_MB = "64" }')
+        original_env = stack.env
+
+        def env_with_tmpdir(**extra):  # the runs' root on the small tmpfs
+            return original_env(TMPDIR=str(small), **extra)
+
+        stack.env = env_with_tmpdir
+        try:
+            rollout = run_rollout(stack, "hog", agents=black_box("hog", "hog.py", env), run_agents=["hog"],
+                                  tasks=HOG_TASKS, concurrency=4, timeout=90,
+                                  route="", isolation_extra="limits = { pids = 200, memory_mb = 256, log_kb = 64 }")
+            # The flood's megabytes went through a 16 MiB tmpfs: say so in the test's terms.
+            rollout.logs = {t: Path(r["metadata"]["workdir"], "agent.log").read_text(errors="replace")
+                            for t, r in rollout.trajectories.items() if Path(r["metadata"].get("workdir", "/-"),
+                                                                            "agent.log").exists()}
+            stack.rollouts["hog"] = rollout
+        finally:
+            stop_stack(stack)
+        yield stack
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+        shutil.rmtree(stack.base, ignore_errors=True)
+
+
+def _hog(stack: Stack, task: str) -> tuple[dict, dict]:
+    rollout = stack.rollouts["hog"]
+    trajectory = f"{rollout.dataset}-{task}-0"
+    return rollout.trajectories[trajectory], rollout
+
+
+def test_each_hog_ends_its_own_run_and_the_others_finish_and_score(hogged):
+    rollout = hogged.rollouts["hog"]
+    assert rollout.done.returncode == 0, rollout.done.stderr[-3000:]
+    assert "4 runs finished" in rollout.done.stderr and "reward math-" in rollout.done.stderr, rollout.done.stderr
+    honest, _ = _hog(hogged, "t04")
+    assert honest["metadata"]["outcome"] == "ok" and honest["reward"] is not None, honest
+    for task in ("t01", "t02", "t03", "t04"):
+        row, _ = _hog(hogged, task)
+        assert row["status"] == "complete", row
+        assert row["metadata"]["limits"]["via"] in ("cgroup v2", "cgroup v1", "rlimits"), row["metadata"]
+        assert row["metadata"]["limits"]["pids"] == 200 and row["metadata"]["limits"]["memory_mb"] == 256
+
+
+def test_a_fork_bomb_is_held_at_its_runs_process_limit(hogged):
+    row, rollout = _hog(hogged, "t01")
+    [started] = [r for r in rollout.reports(row["id"]) if "got" in r][:1]
+    assert started["got"]["started"] < 200 and started["got"]["error"], started  # of 5,000
+    if row["metadata"]["limits"]["via"] != "rlimits":
+        assert "pids" in row["metadata"]["limits_hit"], row["metadata"]
+
+
+def test_memory_beyond_the_limit_ends_that_run(hogged):
+    row, rollout = _hog(hogged, "t02")
+    assert row["metadata"]["outcome"] == "failed", row["metadata"]
+    grown = [r["megabytes"] for r in rollout.reports(row["id"]) if r.get("stage") == "memory"]
+    assert grown and max(grown) < 256, grown
+    assert not any("got" in r for r in rollout.reports(row["id"])), "the hog got its gigabyte"
+    if row["metadata"]["limits"]["via"] != "rlimits":
+        assert "memory" in row["metadata"]["limits_hit"], row["metadata"]
+
+
+def test_a_flood_of_output_is_capped_in_its_log_and_fills_no_disk(hogged):
+    row, rollout = _hog(hogged, "t03")
+    log = rollout.logs[row["id"]]
+    assert len(log.encode()) < 3 * 64 * 1024, len(log)
+    assert "bytes of this run's output cut here" in log
+    assert rollout.report(row["id"])["got"] == {"megabytes": 64}  # the tail keeps its last report
+    assert row["metadata"]["output_cut_bytes"] > 60 * 2**20, row["metadata"]
+
+
+# -- a full disk ---------------------------------------------------------------------------------------------------
+def test_a_run_that_fills_the_disk_fails_alone_and_the_same_command_finishes_once_space_is_back(simulated_llm,
+                                                                                                   tmp_path):
+    """The database, its journal and the runs' folders on one 48 MiB tmpfs; the first run answers
+    honestly, the second answers, then fills the disk from its work folder and leaves the file there.
+    The rollout does not crash: it says which runs were left open, and scores what it can (or says
+    that scoring waits); nothing committed is lost. Once the file is gone, the same command runs
+    what was left open and scores every run."""
+    if iso.bwrap_problem():
+        pytest.skip(iso.bwrap_problem())
+    stack = start_stack("sandbox", tmp_path, simulated_llm.url, data_mb=48)
+    data = stack.base / "data"
+    stack.env = functools.partial(stack.env, TMPDIR=str(data))  # the runs' root on the same disk
+    tasks = HOG_TASKS[:2]
+    agents = black_box("hog", "hog.py", '{ INSIDER_HOG_t02 = "fill" }')
+    try:
+        full = run_rollout(stack, "fill", agents=agents, run_agents=["hog"], tasks=tasks, concurrency=1, timeout=90)
+        said = full.done.stderr
+        assert full.done.returncode == 0, said[-3000:]
+        assert "2 runs finished (0 failed, 0 timed out)" in said, said[-3000:]
+        assert "1 of them left open: not every call of theirs could be committed" in said, said[-3000:]
+        assert "its revocation could not be recorded" in said and "Traceback" not in said, said[-3000:]
+        # The honest run's reward is written, or (SQLite found no room) scoring says it waits.
+        assert f"reward math-{stack.marker}: scored 1, failed 0" in said or (
+            "not scored: " in said and "full" in said), said[-3000:]
+        filler = next(data.rglob("filler.bin"))
+        assert filler.stat().st_size > 16 * 2**20
+        filler.unlink()  # space is back
+        again = run_rollout(stack, "fill", agents=black_box("hog", "hog.py", "{ }"), run_agents=["hog"],
+                            tasks=tasks, concurrency=1, timeout=90)
+        assert again.done.returncode == 0, again.done.stderr[-3000:]
+        assert "1 runs finished (0 failed, 0 timed out), 1 done earlier, of 2" in again.done.stderr, again.done.stderr
+        assert f"reward math-{stack.marker}: scored " in again.done.stderr, again.done.stderr
+        for task in ("t01", "t02"):
+            row = again.trajectories[f"{again.dataset}-{task}-0"]
+            assert row["status"] == "complete" and row["reward"] is not None, row
+        store = Store(str(stack.db), readonly=True)
+        try:  # the call the filler made before it filled the disk is kept (an earlier attempt, out of the gate)
+            n = store.query("SELECT count(*) AS n FROM steps WHERE trajectory_id = ?", [f"{again.dataset}-t02-0"])
+            assert n[0]["n"] == 2, n
+        finally:
+            store.close()
+    finally:
+        stop_stack(stack)
+        subprocess.run(["umount", "-l", str(data)], check=False)
+        shutil.rmtree(stack.base, ignore_errors=True)
+
+
+def test_a_run_with_a_disk_quota_fills_its_own_folder_alone(simulated_llm, tmp_path):
+    """limits.disk_mb: a sandboxed run's folder is a tmpfs of that size; the filler runs out of room at
+    8 MiB, the disk is untouched, and both runs finish and score as usual."""
+    if iso.bwrap_problem():
+        pytest.skip(iso.bwrap_problem())
+    stack = start_stack("sandbox", tmp_path, simulated_llm.url)
+    try:
+        rollout = run_rollout(stack, "quota", agents=black_box("hog", "hog.py", '{ INSIDER_HOG_t02 = "fill" }'),
+                              run_agents=["hog"], tasks=HOG_TASKS[:2], concurrency=2, timeout=90,
+                              isolation_extra="limits = { disk_mb = 8 }")
+        said = rollout.done.stderr
+        assert "2 runs finished (0 failed, 0 timed out)" in said and "left open" not in said, said[-3000:]
+        assert f"reward math-{stack.marker}: scored 2, failed 0" in said, said[-3000:]
+        filler = f"{rollout.dataset}-t02-0"
+        got = rollout.report(filler)["got"]
+        assert got["megabytes"] <= 8 and "No space left" in got["error"], got
+        row = rollout.trajectories[filler]
+        assert row["metadata"]["limits"]["disk_mb"] == 8 and row["reward"] is not None, row
+        assert not Path(row["metadata"]["workdir"], "filler.bin").exists()  # gone with the run's tmpfs
+    finally:
+        stop_stack(stack)
+        shutil.rmtree(stack.base, ignore_errors=True)
+
+
+# -- the engine probe --------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_first_call_with_a_wrong_key_does_not_leave_the_engine_recorded_as_no_engine(tmp_path):
+    """A real vLLM started with --api-key: a run's first call carries a wrong key, so the proxy's probe
+    of /v1/models (sent with the caller's key) is refused. That says nothing about the engine: the
+    next call, with the right key, is probed again and gets exact ids."""
+    import urllib.error
+    import urllib.request
+
+    from stepmill.demo.main import VLLMServer, vllm_python, write_random_qwen2
+    from stepmill.qwen_vocab import default_folder
+
+    from .real_engine import missing
+
+    python = vllm_python()
+    if python is None:
+        missing("vLLM is not installed: run .ci/install-engines")
+    key = f"sk-{os.urandom(8).hex()}"
+    model = write_random_qwen2(tmp_path / "model", default_folder(), python=python)
+    server = VLLMServer(model, tmp_path / "vllm.log", python=python, extra=("--api-key", key))
+    port, confdir, db = free_port(), tmp_path / "mitm", tmp_path / "steps.db"
+    proxy = subprocess.Popen(STEPMILL + ["proxy", "--port", str(port), "--db", str(db), "--confdir", str(confdir)],
+                             stdout=(tmp_path / "proxy.log").open("wb"), stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: answers(f"{server.root}/health") and answers(f"http://127.0.0.1:{port}"), timeout=900,
+                   interval=1.0, what="vLLM and the proxy")
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": f"http://127.0.0.1:{port}"}))
+
+        def ask(trajectory: str, api_key: str) -> int:
+            body = json.dumps({"model": server.name, "max_tokens": 8,
+                               "messages": [{"role": "user", "content": f"hello {trajectory}"}]}).encode()
+            request = urllib.request.Request(f"{server.url}/chat/completions", data=body, method="POST", headers={
+                "Content-Type": "application/json", "Authorization": f"Bearer {api_key}",
+                "X-Stepmill-Trajectory": trajectory})
+            try:
+                with opener.open(request, timeout=120) as response:
+                    return response.status
+            except urllib.error.HTTPError as exc:
+                return exc.code
+
+        assert ask("probe-wrong-key", "sk-wrong") == 401
+        assert ask("probe-right-key", key) == 200
+        wait_until(lambda: Store(str(db)).query("SELECT count(*) AS n FROM steps WHERE trajectory_id = ?",
+                                                ["probe-right-key"])[0]["n"] == 1, timeout=30, what="the step")
+        store = Store(str(db))
+        try:
+            [step] = store.query("SELECT token_provenance FROM steps WHERE trajectory_id = ?", ["probe-right-key"])
+            assert step["token_provenance"] == "exact", (step, (tmp_path / "proxy.log").read_text()[-3000:])
+        finally:
+            store.close()
+        assert "was refused (401) with the caller's key" in (tmp_path / "proxy.log").read_text()
+    finally:
+        proxy.terminate()
+        proxy.wait(30)
+        server.stop()

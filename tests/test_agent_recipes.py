@@ -1,6 +1,8 @@
 """The agent CLI recipes (stepmill/data/agent-recipes.toml) through the runner and the real proxy,
-against the simulated LLM: Claude Code (Anthropic Messages), Codex (Responses over SSE) and
-mini-swe-agent (chat completions via litellm). `.ci/install-agents` puts them in .agents/."""
+against the simulated LLM: Claude Code (Anthropic Messages), Codex (Responses over SSE), mini-swe-agent
+and Aider (chat completions via litellm), Qwen Code and OpenCode (streamed chat completions), Gemini CLI
+(Gemini's generateContent, which the proxy serves through the engine's chat completions).
+`.ci/install-agents` puts them in .agents/."""
 
 import importlib.resources
 import json
@@ -18,10 +20,16 @@ BINARIES = {
     "claude-code": ("claude", ROOT / ".agents" / "node_modules" / ".bin" / "claude"),
     "codex": ("codex", ROOT / ".agents" / "node_modules" / ".bin" / "codex"),
     "mini-swe-agent": ("mini", ROOT / ".agents" / "mini" / "bin" / "mini"),
+    "qwen-code": ("qwen", ROOT / ".agents" / "node_modules" / ".bin" / "qwen"),
+    "opencode": ("opencode", ROOT / ".agents" / "node_modules" / ".bin" / "opencode"),
+    "aider": ("aider", ROOT / ".agents" / "aider" / "bin" / "aider"),
+    "gemini-cli": ("gemini", ROOT / ".agents" / "node_modules" / ".bin" / "gemini"),
 }
 # What each step records: the simulated LLM is an engine (it says so in /v1/models), so Claude Code's
 # Messages calls are served through its chat completions, for exact ids.
-APIS = {"claude-code": "openai.chat", "codex": "openai.responses", "mini-swe-agent": "openai.chat"}
+APIS = {"claude-code": "openai.chat", "codex": "openai.responses", "mini-swe-agent": "openai.chat",
+        "qwen-code": "openai.chat", "opencode": "openai.chat", "aider": "openai.chat",
+        "gemini-cli": "openai.chat"}  # Gemini's generateContent, served through the engine's chat
 
 
 def recipe(name: str) -> str:
@@ -46,7 +54,8 @@ def run_recipe(name: str, proxy, base_url: str, model: str, marker: str, tmp_pat
     if path is None:
         pytest.skip(f"{BINARIES[name][0]} is not installed (.ci/install-agents installs it)")
     command = BINARIES[name][0]
-    agent = agent_edit(recipe(name).replace(f'command = ["{command}"', f'command = ["{path}"', 1))
+    agent = agent_edit(recipe(name).replace(f'command = ["{command}"', f'command = ["{path}"', 1)
+                       .replace(f', "{command}", ', f', "{path}", ', 1))  # a CLI a shell line starts
     bundled = (importlib.resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
     (tmp_path / "tasks.jsonl").write_text("\n".join(bundled[:tasks]) + "\n")
     config = tmp_path / "rollout.toml"

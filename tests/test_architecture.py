@@ -32,6 +32,7 @@ ROOMS = {
     "runner": ("stepmill.runner",),
     "simulated_llm": ("stepmill.simulated_llm",),
     "proxy": ("stepmill.proxy_master",),
+    "train": ("stepmill.train",),
     "demo": ("stepmill.demo",),
     "cli": ("stepmill.cli",),
 }
@@ -50,6 +51,7 @@ MAY_IMPORT = {
     "runner": {"store", "rewards", "client"},
     "simulated_llm": {"agents"},
     "proxy": {"addon", "pipeline"},
+    "train": {"store", "bridge", "rewards", "runner", "client"},  # torch only here
     "demo": set(ROOMS) - {"cli", "demo"},
     "cli": set(ROOMS) - {"cli"},
 }

@@ -1,6 +1,7 @@
 """The control API end to end: the Python client, and raw HTTP as curl would send it."""
 
 import http.client
+import time
 import subprocess
 import json
 
@@ -66,6 +67,39 @@ def test_policy_version_is_stamped_on_captured_steps(proxy, openai_client, marke
     openai_client.chat.completions.create(model="gpt-test", messages=[{"role": "user", "content": f"pv {marker}"}])
     [step] = proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"])
     assert step["policy_version"] == f"v-{marker}"
+
+
+def test_a_version_set_from_a_past_moment_stamps_the_calls_started_since(proxy, openai_client, marker):
+    """A trainer pauses its engine, swaps the weights, then sets the new version from the pause: a call
+    that started after the pause (held by the engine, served by the new weights) carries the new version."""
+    client = proxy.client()
+    client.set_policy_version(f"old-{marker}")
+    paused_at = time.time()
+    gate = f"gated-stream-held-{marker}"  # the engine holds the call until the new weights are in
+    stream = openai_client.chat.completions.create(model=gate, messages=[{"role": "user", "content": f"held {marker}"}],
+                                                   stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    client.set_policy_version(f"new-{marker}", since=paused_at)
+    proxy.upstream.release(gate)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == f"Echo: held {marker}"
+    [step] = proxy.steps("s.model = ?", [gate])
+    assert step["policy_version"] == f"new-{marker}"
+    with pytest.raises(ControlError, match="already past"):
+        client.set_policy_version("later", since=time.time() + 60)
+
+
+def test_a_submitted_step_is_stamped_with_the_version_in_force_when_its_generation_began(proxy, marker):
+    client = proxy.client()
+    client.set_policy_version(f"before-{marker}")
+    began = time.time()
+    client.set_policy_version(f"after-{marker}")
+    first = client.submit_step(trajectory_id=f"wb-{marker}", prompt_ids=[1, 2], response_ids=[3], started_at=began)
+    second = client.submit_step(trajectory_id=f"wb-{marker}", prompt_ids=[1, 2, 3, 4], response_ids=[5])
+    assert client.step(first["step_id"])["policy_version"] == f"before-{marker}"
+    assert client.step(second["step_id"])["policy_version"] == f"after-{marker}"
+    with pytest.raises(ControlError, match="already past"):
+        client.submit_step(trajectory_id=f"wb-{marker}", prompt_ids=[1], response_ids=[2], started_at=time.time() + 60)
 
 
 PROXY_TOKEN = object()

@@ -111,7 +111,9 @@ def test_a_database_locked_for_10_seconds_stalls_no_stream(tmp_path, upstream, m
         try:
             with concurrent.futures.ThreadPoolExecutor(16) as pool:
                 list(pool.map(run, range(16)))
-            assert max(durations) < 2.0, f"a stream waited for the database: {max(durations):.1f} s"
+            # A stream that waited for the lock would take most of its 10 s; a loaded 2-core machine
+            # takes up to ~2.5 s for one unlocked: the bound is between the two, not a speed target.
+            assert max(durations) < 5.0, f"a stream waited for the database: {max(durations):.1f} s"
             status = proxy.client().health()["capture"]
             assert status["uncommitted_bytes"] > 0 and status["dropped"] == 0  # waiting in the journal, visible
             time.sleep(max(0.0, locked_until - time.time()))

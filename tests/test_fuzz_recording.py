@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from stepmill.pipeline import recording
 from stepmill.protocols import anthropic_messages
+from stepmill.protocols import gemini_generate
 from stepmill.protocols import openai_chat
 from stepmill.protocols import openai_responses
 from stepmill.pipeline.call_record import Call
@@ -49,7 +50,18 @@ RESPONSES_RESPONSE = {"id": "resp_1", "model": "gpt-5", "status": "completed", "
     {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]},
     {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}],
     "usage": {"input_tokens": 3, "output_tokens": 1, "input_tokens_details": {"cached_tokens": 1}}}
+GEMINI_REQUEST = {"systemInstruction": {"parts": [{"text": "sys"}]}, "contents": [
+    {"role": "user", "parts": [{"text": "hi"}]},
+    {"role": "model", "parts": [{"functionCall": {"name": "f", "args": {"a": 1}}, "thoughtSignature": "c2ln"}]},
+    {"role": "user", "parts": [{"functionResponse": {"name": "f", "response": {"output": "42"}}}]}],
+    "tools": [{"functionDeclarations": [{"name": "f", "parametersJsonSchema": {"type": "object"}}]}],
+    "generationConfig": {"temperature": 0, "thinkingConfig": {"includeThoughts": True}}}
+GEMINI_RESPONSE = {"candidates": [{"index": 0, "finishReason": "STOP", "content": {"role": "model", "parts": [
+    {"text": "thinking", "thought": True}, {"text": "ok"}, {"functionCall": {"name": "f", "args": {}}}]}}],
+    "usageMetadata": {"promptTokenCount": 3, "candidatesTokenCount": 2, "cachedContentTokenCount": 1},
+    "modelVersion": "gemini-2.5-pro", "responseId": "r1"}
 CASES = [(openai_chat, openai_chat.CHAT, CHAT_REQUEST, CHAT_RESPONSE),
+         (gemini_generate, gemini_generate.API, GEMINI_REQUEST, GEMINI_RESPONSE),
          (anthropic_messages, anthropic_messages.API, ANTHROPIC_REQUEST, ANTHROPIC_RESPONSE),
          (openai_responses, openai_responses.API, RESPONSES_REQUEST, RESPONSES_RESPONSE)]
 

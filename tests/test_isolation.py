@@ -61,3 +61,21 @@ def test_runs_get_no_coordinator_or_cluster_credentials():
              "PGPASSWORD": "pw", "PGSERVICEFILE": "/etc/pg_service.conf", "PGHOST": "db",
              "DATABASE_URL": "postgresql://u:pw@db/x", "RAY_ADDRESS": "10.0.0.1:6379", "OPENAI_API_KEY": "sk-x"}
     assert agent_environment(given) == {"PATH": "/usr/bin", "HOME": "/home/x", "OPENAI_API_KEY": "sk-x"}
+
+
+def test_an_admin_route_is_recognised_however_its_path_is_written():
+    from hypothesis import given, strategies as st
+
+    from stepmill.auth.admin_routes import ADMIN_ROUTES, is_admin_route
+
+    @given(st.sampled_from(sorted(ADMIN_ROUTES)), st.text(alphabet="abc=&1", max_size=8),
+           st.sampled_from(["", "/", "//"]), st.sampled_from(["", "/v1/..", "/./", "/x/../"]), st.booleans())
+    def check(route, query, trailing, before, encode):
+        path = before.rstrip("/") + route + trailing
+        if encode:  # servers decode percent-escapes before routing
+            path = path.replace(route[1], f"%{ord(route[1]):02x}", 1)
+        assert is_admin_route(path + (f"?{query}" if query else ""))
+
+    check()
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses", "/health", "/tokenize"):
+        assert not is_admin_route(path)

@@ -83,6 +83,43 @@ def test_a_full_disk_keeps_calls_in_memory_until_the_journal_takes_them(tmp_path
     handoff.close()
 
 
+def test_a_call_that_cannot_be_cleaned_is_kept_as_an_error_and_the_handoff_goes_on(tmp_path, caplog):
+    """Whatever goes wrong cleaning one call (a bug, a body nothing decodes), the call is kept without
+    its bodies, the writer stores it as an error step, and the calls after it are recorded as usual."""
+    class Fragile(Handoff):
+        @staticmethod
+        def clean(record, blobs):
+            if b"poison" in blobs[0]:
+                raise ValueError("a body nothing decodes")
+            return Handoff.clean(record, blobs)
+
+    db = tmp_path / "c.db"
+    Store(db).close()
+    journal = Journal.create(db)
+    handoff = Fragile(journal, lambda: None)
+    for text in ("poison", "after"):
+        record = CallRecord(kind="http", call=Call(api="openai.chat", host="h", path="/v1/chat/completions"),
+                            started=time.time(), ended=time.time(), http_status=200)
+        handoff.submit(record, [json.dumps({**CHAT, "messages": [{"role": "user", "content": text}]}).encode(),
+                                json.dumps(REPLY).encode()])
+    deadline = time.time() + 10
+    while handoff.status()["journaled"] < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    assert handoff.status()["journaled"] == 2 and handoff.thread.is_alive()
+    handoff.close()
+    writer = Writer(str(db), journal.folder)
+    thread = threading.Thread(target=writer.run)
+    thread.start()
+    writer.stop()
+    thread.join(30)
+    steps = list(Store(db).iter_steps())
+    assert len(steps) == 2, steps
+    kept = [s for s in steps if "could not clean this call" in json.dumps(s)]
+    assert len(kept) == 1 and "poison" not in json.dumps(kept[0]), kept
+    assert any(m["content"] == "after" for s in steps for m in s["messages"])
+    assert "could not clean a call" in caplog.text
+
+
 FRAME = st.one_of(
     st.builds(lambda t, d: json.dumps({"type": t, "delta": d, "output_index": 0}),
               st.sampled_from(["response.output_text.delta", "response.created", "response.completed", "error",

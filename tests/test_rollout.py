@@ -364,7 +364,10 @@ def test_kill_9_of_the_runner_leaves_no_process_behind(tmp_path, proxy, simulate
     def children() -> set[int]:
         found = set()
         for task in Path(f"/proc/{runner.pid}/task").iterdir():
-            found |= {int(p) for p in (task / "children").read_text().split()}
+            try:  # a thread of the runner's may end between the listing and the read
+                found |= {int(p) for p in (task / "children").read_text().split()}
+            except FileNotFoundError:
+                continue
         return found
 
     deadline = time.time() + 60
@@ -385,3 +388,20 @@ def test_kill_9_of_the_runner_leaves_no_process_behind(tmp_path, proxy, simulate
     while any(alive(pid) for pid in started):
         assert time.time() < deadline, f"still running after the runner died: {[p for p in started if alive(p)]}"
         time.sleep(0.2)
+
+
+def test_a_seeded_rollout_sends_each_run_its_seed_and_a_paired_one_the_same(proxy, marker, tmp_path):
+    """[run] seed: every call of a run carries a seed from the run's task and sample (the next call adds its
+    turn); two rollouts with the same seed (a training run and its paired control) send the same seeds."""
+    from stepmill.runner.agent_run import Job, run_seed
+
+    config = _config(tmp_path, proxy, marker, extra="seed = 7")
+    done = _rollout(config)
+    assert done.returncode == 0, done.stderr
+    sent = [r for r in proxy.upstream.requests if marker in json.dumps(r.get("messages", ""))]
+    assert len(sent) == 12 and all("seed" in r for r in sent)
+    expected = {run_seed(7, Job(None, {"id": f"t{i}"}, "", "", k)) + turn for i in range(3) for k in range(2)
+                for turn in range(2)}
+    assert {r["seed"] for r in sent} == expected and len(expected) == 12
+    assert run_seed(7, Job(None, {"id": "t0"}, "a", "g", 0)) == run_seed(7, Job(None, {"id": "t0"}, "b", "h", 0))
+    assert run_seed(8, Job(None, {"id": "t0"}, "a", "g", 0)) != run_seed(7, Job(None, {"id": "t0"}, "a", "g", 0))

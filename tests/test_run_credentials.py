@@ -147,3 +147,81 @@ def test_a_group_squatted_before_its_runs_register_is_given_back(proxy, openai_c
     assert store.trajectory(f"squat-{marker}")["group_id"] == f"grp-{marker}~unregistered"
     assert {r["id"] for r in store.query("SELECT id FROM trajectories WHERE group_id = ?", [f"grp-{marker}"])} == \
         {f"owner-{marker}"}
+
+
+def test_a_revoked_secret_writes_nothing(proxy, marker):
+    """A run's secret dies with the run: revoked (or its trajectory completed), its credentials are
+    refused with a 403 that says so, and nothing is written."""
+    run = _registered(proxy, marker, "ended")
+    client = _client(proxy, run["proxy_url"])
+    _ask(client, f"while running {marker}")
+    proxy.trajectory_steps(f"ended-{marker}", 1)
+    assert proxy.client().revoke_run(f"ended-{marker}")["revoked_at"]
+    with pytest.raises(openai.PermissionDeniedError, match="has ended: its credentials were revoked"):
+        _ask(client, f"after revoke {marker}")
+    reverse = openai.OpenAI(api_key="sk-x", max_retries=0, base_url=f"http://127.0.0.1:{proxy.reverse_port}"
+                            f"/t/ended-{marker}/k/{run['secret']}/v1")
+    with pytest.raises(openai.PermissionDeniedError, match="revoked"):
+        _ask(reverse, f"after revoke reverse {marker}")
+    # Completing a run revokes it too, whoever completes it.
+    other = _registered(proxy, marker, "completed")
+    proxy.client().complete_trajectory(f"completed-{marker}")
+    with pytest.raises(openai.PermissionDeniedError, match="revoked"):
+        _ask(_client(proxy, other["proxy_url"]), f"after complete {marker}")
+    store = proxy.store()
+    assert store.query("SELECT count(*) AS n FROM steps WHERE messages_suffix LIKE ?", [f"%after % {marker}%"])[0]["n"] == 0
+    assert store.query("SELECT count(*) AS n FROM steps WHERE trajectory_id = ?", [f"ended-{marker}"])[0]["n"] == 1
+    # A rerun gets a new secret that works again; its earlier attempt's steps stay out of the gate.
+    again = proxy.client().register_run(f"ended-{marker}")
+    _ask(_client(proxy, again["proxy_url"]), f"rerun {marker}")
+    proxy.trajectory_steps(f"ended-{marker}", 2)
+    assert "revoked" in proxy.log.read_text()
+
+
+def test_while_sandboxed_runs_are_open_a_call_from_no_door_needs_credentials_or_the_token(proxy, marker):
+    """A sandboxed run's calls come through its door; while any is open, a call from anywhere else (a
+    process on the host, one left behind by an unsandboxed run) writes only as a registered run or
+    with the write token. Once the runs end, plain tagging works as without the runner."""
+    proxy.client().start_trajectory(trajectory_id=f"boxed-{marker}", group_id=f"boxed-grp-{marker}", channel="train")
+    proxy.client().register_run(f"boxed-{marker}", door="127.0.9.9")
+    try:
+        plain = _client(proxy, f"http://127.0.0.1:{proxy.port}", **{"X-Stepmill-Trajectory": f"outside-{marker}"})
+        with pytest.raises(openai.PermissionDeniedError, match="sandboxed run.* are open: a call that comes through "
+                                                               "no run's door needs"):
+            _ask(plain, f"from no door {marker}")
+        registered = _registered(proxy, marker, "credentialed")  # a registered run's credentials: written
+        _ask(_client(proxy, registered["proxy_url"]), f"credentialed {marker}")
+        proxy.trajectory_steps(f"credentialed-{marker}", 1)
+        token = proxy.token
+        vouched = _client(proxy, f"http://127.0.0.1:{proxy.port}", **{"X-Stepmill-Trajectory": f"vouched-{marker}",
+                                                                      "X-Stepmill-Token": token})
+        _ask(vouched, f"with the token {marker}")
+        proxy.trajectory_steps(f"vouched-{marker}", 1)
+    finally:
+        proxy.client().revoke_run(f"boxed-{marker}")
+    _ask(plain, f"after the runs ended {marker}")
+    proxy.trajectory_steps(f"outside-{marker}", 1)
+    assert proxy.store().query("SELECT count(*) AS n FROM steps WHERE messages_suffix LIKE ?",
+                               [f"%from no door {marker}%"])[0]["n"] == 0
+
+
+def test_a_step_that_started_after_its_trajectory_completed_is_out_of_the_gate_and_the_reward(proxy, marker):
+    """Whatever still writes after a run was completed (here the control API's step submission, which
+    takes any trajectory id from a holder of the write token), its steps are no part of the run."""
+    from stepmill.rewards.scoring import trajectory_input
+
+    run = _registered(proxy, marker, "late")
+    _ask(_client(proxy, run["proxy_url"]), f"in time {marker}")
+    proxy.trajectory_steps(f"late-{marker}", 1)
+    proxy.client().complete_trajectory(f"late-{marker}")
+    time.sleep(0.01)
+    proxy.client().submit_step(prompt_ids=[1, 2], response_ids=[3], trajectory_id=f"late-{marker}",
+                               completion={"role": "assistant", "content": f"LATE {marker}"})
+    steps = proxy.trajectory_steps(f"late-{marker}", 2)
+    store = proxy.store()
+    counts = store.gate_counts("s.trajectory_id = ?", [f"late-{marker}"])
+    assert counts == {"kept": 1, "removed": 1, "removed_by_reason": {"started after its trajectory completed": 1}}, counts
+    [row] = [r for r in store.completed_trajectories(id_prefix=f"late-{marker}")]
+    scored = trajectory_input(store, row)
+    assert len(scored["steps"]) == 1 and f"LATE {marker}" not in json.dumps(scored), scored["steps"]
+    assert len(steps) == 2

@@ -17,6 +17,7 @@ Token ids of the engine mode come from a byte-level toy tokenizer: each message 
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as dt
 import ipaddress
 import json
@@ -169,6 +170,7 @@ class Upstream:
         app.router.add_get("/v1/responses", self.responses_ws)
         app.router.add_post("/v1/messages", self.messages)
         app.router.add_post("/generate", self.generate)
+        app.router.add_post(r"/{version:v1[a-z]*}/models/{call:[^/]+}", self.gemini)
         self._runner = web.AppRunner(app)
         self.loop.run_until_complete(self._runner.setup())
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -262,6 +264,41 @@ class Upstream:
         if model == "http-500":
             return web.json_response({"error": {"message": "upstream exploded", "type": "server_error"}}, status=500)
         return None
+
+    # -- Google Gemini (generateContent, streamGenerateContent with and without alt=sse) ----------------
+    async def gemini(self, request):
+        version, call = request.match_info["version"], request.match_info["call"]
+        model, _, method = call.partition(":")
+        body = await self._body(request)
+        if body is None or method not in ("generateContent", "streamGenerateContent"):
+            return web.json_response({"error": {"code": 400, "message": "Invalid JSON payload received.",
+                                                "status": "INVALID_ARGUMENT"}}, status=400)
+        if model == "http-500":
+            return web.json_response({"error": {"code": 500, "message": "upstream exploded", "status": "INTERNAL"}},
+                                     status=500)
+        chunks = gemini_chunks(body, model)
+        if method == "generateContent":  # the whole answer in one response: the parts joined as the API does
+            whole = {**chunks[-1], "candidates": [{**chunks[-1]["candidates"][0], "content": {"role": "model", "parts": []}}]}
+            for chunk in chunks:
+                for part in chunk["candidates"][0]["content"]["parts"]:
+                    parts = whole["candidates"][0]["content"]["parts"]
+                    if parts and "text" in part and set(parts[-1]) == set(part):
+                        parts[-1] = {**parts[-1], "text": parts[-1]["text"] + part["text"]}
+                    else:
+                        parts.append(part)
+            return web.json_response(whole)
+        if request.query.get("alt") == "sse":
+            return await self._stream(request, model, [(None, chunk) for chunk in chunks])
+        # without alt=sse: one JSON array, written element by element as Google's servers do
+        response = web.StreamResponse(headers={"Content-Type": "application/json; charset=UTF-8"})
+        await response.prepare(request)
+        for i, chunk in enumerate(chunks):
+            await response.write((("[" if i == 0 else "\n,\r\n") + json.dumps(chunk, indent=2)).encode())
+            await asyncio.sleep(0.005)
+        await response.write(b"\n]")
+        await response.write_eof()
+        return response
+
 
     # -- OpenAI Chat Completions (and vLLM-style ids) ---------------------------------------------
     async def chat(self, request):
@@ -584,3 +621,42 @@ class Upstream:
                                          "usage": {"output_tokens": 12}}))
         events.append(("message_stop", {"type": "message_stop"}))
         return await self._stream(request, model, events)
+
+
+def gemini_chunks(body: dict, model: str) -> list[dict]:
+    """Google's Gemini API, as its servers stream it: each chunk a whole GenerateContentResponse of the parts
+    since the last (text in pieces, a function call whole with its thoughtSignature, thoughts when asked
+    for), usage on every chunk, the candidate's finishReason on the last. No ids: the API gives none."""
+    contents = body.get("contents") or []
+    last = contents[-1] if contents else {"role": "user", "parts": []}
+    parts = last.get("parts") or []
+    answer = next((p.get("functionResponse") or p.get("function_response") for p in parts
+                   if "functionResponse" in p or "function_response" in p), None)
+    if answer is not None:
+        kind, value = "text", f"The tool said: {json.dumps(answer.get('response'))[:60]}"
+    else:
+        kind, value = decide("user", " ".join(str(p.get("text", "")) for p in parts), bool(body.get("tools")))
+    def either(value: dict, camel: str, snake: str):  # the API takes both JSON spellings, and SDKs send both
+        return (value or {}).get(camel, (value or {}).get(snake))
+
+    thinking = either(either(either(body, "generationConfig", "generation_config"), "thinkingConfig", "thinking_config"),
+                      "includeThoughts", "include_thoughts")
+    pieces: list[list[dict]] = []
+    if thinking:
+        pieces += [[{"text": "Let me look at ", "thought": True}], [{"text": "the weather tool.", "thought": True}]]
+    if kind == "tool":
+        pieces.append([{"text": "Checking."}])
+        pieces.append([{"functionCall": {"name": value, "args": {"city": "Paris", "days": 2}},
+                        "thoughtSignature": base64.b64encode(b"sig-" + uuid.uuid4().bytes).decode()}])
+    else:
+        pieces += [[{"text": value[i:i + 6]}] for i in range(0, len(value), 6)]
+    response_id = uuid.uuid4().hex[:20]
+    chunks = []
+    for i, piece in enumerate(pieces):
+        candidate = {"content": {"role": "model", "parts": piece}, "index": 0}
+        if i == len(pieces) - 1:
+            candidate["finishReason"] = "STOP"
+        chunks.append({"candidates": [candidate], "usageMetadata": {
+            "promptTokenCount": 30, "candidatesTokenCount": 2 * (i + 1), "totalTokenCount": 30 + 2 * (i + 1),
+            "thoughtsTokenCount": 4 if thinking else None}, "modelVersion": model, "responseId": response_id})
+    return chunks

@@ -110,7 +110,8 @@ def _step_batch(rows: list, report: Counter, pad_id: int) -> Batch:
     response_mask = np.zeros((n, r), dtype=np.int64)
     log_probs = np.zeros((n, r), dtype=np.float32)
     scores = np.zeros((n, r), dtype=np.float32)
-    meta: dict[str, list] = {k: [] for k in ("uid", "trajectory_id", "step_id", "step_index", "policy_version")}
+    meta: dict[str, list] = {k: [] for k in ("uid", "trajectory_id", "step_id", "step_index", "parent_step_id",
+                                             "policy_version")}
     for i, (step, prompt, response, logprobs) in enumerate(rows):
         if len(prompt):
             prompts[i, p - len(prompt):] = prompt
@@ -125,6 +126,7 @@ def _step_batch(rows: list, report: Counter, pad_id: int) -> Batch:
         meta["trajectory_id"].append(step["trajectory_id"])
         meta["step_id"].append(step["step_id"])
         meta["step_index"].append(step["step_index"])
+        meta["parent_step_id"].append(step["parent_step_id"])
         meta["policy_version"].append(step["policy_version"])
     attention_mask = np.concatenate([prompt_mask, response_mask], axis=1)
     position_ids = np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None)
@@ -197,6 +199,31 @@ def trajectory_rows(store: Store, *, where: str | None = None, params: Any = (),
             report["left out: no token ids (run stepmill tokenize)"] += 1
             continue
         by_trajectory.setdefault(step["trajectory_id"], []).append(step)
+    return chain_rows(by_trajectory, report)
+
+
+def rows_from_step_batch(batch: Batch) -> tuple[list[Row], Counter]:
+    """The trajectory rows of a step batch (what a consumer hands out), chained as ``trajectory_rows``
+    chains the store's steps: a trainer can take any layout from any consumer."""
+    report: Counter = Counter(batch.report)
+    by_trajectory: dict[str, list] = {}
+    t = batch.tensors
+    for i, step_id in enumerate(batch.meta.get("step_id", [])):
+        prompt = t["prompts"][i][t["attention_mask"][i, :t["prompts"].shape[1]].astype(bool)]
+        response_mask = t["response_mask"][i].astype(bool)
+        scores = t["token_level_scores"][i]
+        by_trajectory.setdefault(batch.meta["trajectory_id"][i], []).append({
+            "step_id": step_id, "trajectory_id": batch.meta["trajectory_id"][i], "group_id": batch.meta["uid"][i],
+            "step_index": batch.meta["step_index"][i], "parent_step_id": batch.meta["parent_step_id"][i],
+            "prompt_ids": prompt.tolist(), "response_ids": t["responses"][i][response_mask].tolist(),
+            "logprobs": t["rollout_log_probs"][i][response_mask].tolist(),
+            "reward": float(scores.sum()) if response_mask.any() else None})
+    return chain_rows(by_trajectory, report)
+
+
+def chain_rows(by_trajectory: dict[str, list], report: Counter) -> tuple[list[Row], Counter]:
+    """Each trajectory's steps (with token ids) as rows: a step that continues its parent token-exactly
+    extends the row (what lies between is context), any other starts a new one."""
     rows = []
     for trajectory_id, steps in by_trajectory.items():
         steps.sort(key=lambda s: (s["step_index"] is None, s["step_index"]))

@@ -3,19 +3,23 @@
     trainer = RemoteConsumer("postgresql://stepmill@db-host/stepmill", "trainer-0", token=TOKEN)
     for batch in trainer:              # the next one acknowledges the one before, as ``Consumer`` does
         train_on(batch.tensors)
-    # or: batch = trainer.claim(); …; trainer.ack(batch)
+    # or several groups per optimizer step, acknowledged together (given back on an error):
+    with trainer.step(4) as batches:
+        optimizer_step(batches)
 
-The same interface as ``trainer_bridge.consume.Consumer`` (``claim() → Batch | None``, ``ack(batch)``,
-iteration), so a trainer does not know which node a group lives on:
+The same interface as ``trainer_bridge.consume.Consumer`` (``claim() → Batch | None``,
+``claim_many(k) → list[Batch]``, ``ack(batch)``, ``ack_many(batches)``, ``release_many``, ``renew``,
+``step(k)``, iteration), so a trainer does not know which node a group lives on:
 
-- ``claim`` leases the oldest ready group (``Coordinator.claim``: readiness, staleness and the policy
-  version are the coordinator's) and fetches its steps with ``GET /v1/groups/{id}/batch`` from each
-  node that holds some of its runs (``stepmill serve`` there, with the write token); a group spread
-  over several nodes is fetched from each and joined (``concat_step_batches``);
+- ``claim_many`` leases the oldest ready groups (``Coordinator.claim``: readiness, staleness and the
+  policy version are the coordinator's) and fetches their steps with ``GET /v1/groups/{id}/batch``
+  from each node that holds some of its runs (``stepmill serve`` there, with the write token); a
+  group spread over several nodes is fetched from each and joined (``concat_step_batches``); a
+  consumer is never handed a group it holds;
 - while a batch is held, a thread renews its lease every third of ``lease_s``; a consumer that dies
   stops renewing, and its groups go back to the others when the lease runs out;
-- ``ack`` acknowledges through the coordinator (once: ``Conflict`` when the lease ran out and another
-  consumer took the group, as with ``Consumer``);
+- ``ack_many`` acknowledges its groups through the coordinator in one transaction, all or none
+  (``Conflict`` naming each group whose lease ran out and went to another consumer, as with ``Consumer``);
 - a node that cannot serve a claimed group (down, or the run missing from its file) does not stop the
   trainer: the group's lease is cut to ``retry_after_s`` and the next group is claimed; the group comes
   back to some consumer after that (and a node that stopped heartbeating keeps its groups out: see
@@ -30,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import urllib.error
+from contextlib import contextmanager
 import urllib.request
 from collections import Counter
 from typing import Iterator
@@ -38,7 +43,7 @@ from urllib.parse import quote, urlencode
 from stepmill.errors import BadInput, ConfigError, Conflict, NotFound, StoreUnavailable
 from stepmill.store.coordinator import Claim, Coordinator
 
-from stepmill.trainer_bridge.consume import acknowledging
+from stepmill.trainer_bridge.consume import acknowledging, stepping
 from stepmill.trainer_bridge.layouts import Batch, concat_step_batches
 from stepmill.trainer_bridge.serve import LAYOUT_FIELDS, batch_from_bytes
 
@@ -48,21 +53,22 @@ log = logging.getLogger("stepmill")
 
 class RemoteConsumer:
     """``Consumer`` for a fleet: ``coordinator`` is a ``Coordinator``, its URL, or None (``STEPMILL_COORDINATOR``).
-    ``token``: the nodes' write token (one for all), or ``tokens``: node id → token; else the token in
-    ``confdir``. Layout options (``max_prompt_length``, ``max_response_length``, ``overlong``, ``pad_id``)
-    are those of ``step_batches``; each group is one batch."""
+    ``max_staleness``: set aside groups more policy versions behind than this (the fleet's own limit, when
+    lower, holds too). ``token``: the nodes' write token (one for all), or ``tokens``: node id → token;
+    else the token in ``confdir``. Layout options (``max_prompt_length``, ``max_response_length``,
+    ``overlong``, ``pad_id``) are those of ``step_batches``; each group is one batch."""
 
     def __init__(self, coordinator: Coordinator | str | None, name: str, *, channel: str | None = "train",
-                 lease_s: float = 600.0, retry_after_s: float = 30.0, token: str | None = None,
-                 tokens: dict[str, str] | None = None, confdir: str | None = None, timeout: float = 120.0,
-                 **layout):
+                 lease_s: float = 600.0, retry_after_s: float = 30.0, max_staleness: int | None = None,
+                 token: str | None = None, tokens: dict[str, str] | None = None, confdir: str | None = None,
+                 timeout: float = 120.0, **layout):
         unknown = set(layout) - set(LAYOUT_FIELDS)
         if unknown:
             raise BadInput(f"unknown layout option {sorted(unknown)[0]!r} (one batch per group; "
                            f"options: {', '.join(LAYOUT_FIELDS)})")
         self.fleet = coordinator if isinstance(coordinator, Coordinator) else Coordinator(coordinator)
         self.name, self.channel, self.lease_s, self.retry_after_s = name, channel, lease_s, retry_after_s
-        self.timeout, self.layout = timeout, layout
+        self.timeout, self.layout, self.max_staleness = timeout, layout, max_staleness
         if token is None and not tokens:
             from stepmill.auth.write_token import read_token
 
@@ -81,47 +87,107 @@ class RemoteConsumer:
 
     def claim(self) -> Batch | None:
         """The next ready group as one batch (leased to this consumer), or None when none is ready now."""
-        while True:
-            claim = self._next_claim()
-            if claim is None:
-                return None
-            try:
-                batch = self._fetch(claim)
-            except StoreUnavailable as exc:
-                self._put_back(claim, exc)
-                continue
-            except ConfigError as exc:
-                self._put_back(claim, exc)
-                raise
-            with self._lock:
-                self._held[claim.group_id] = claim
+        batches = self.claim_many(1)
+        return batches[0] if batches else None
+
+    def claim_many(self, k: int) -> list[Batch]:
+        """Up to ``k`` groups, one batch each, leased to this consumer (the groups this name held before a
+        restart first); an empty list when none is ready now."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise BadInput(f"k must be a positive integer, got {k!r:.40}")
+        batches: list[Batch] = []
+        while len(batches) < k:
+            claims = self._next_claims(k - len(batches))
+            if not claims:
+                break
+            for i, claim in enumerate(claims):
+                with self._lock:
+                    mine = claim.group_id in self._held
+                    if mine:  # its own lease ran out and it took the group again: the batch it has, a new lease
+                        self._held[claim.group_id] = claim
+                if mine:
+                    continue
+                try:
+                    batch = self._fetch(claim)
+                except StoreUnavailable as exc:
+                    self._put_back(claim, exc)
+                    continue
+                except ConfigError as exc:  # nothing is handed over: every group of this call goes back
+                    self._put_back(claim, exc)
+                    self.fleet.release_many(claims[i + 1:])
+                    self.release_many(batches)
+                    raise
+                with self._lock:
+                    self._held[claim.group_id] = claim
+                batches.append(batch)
+        if batches:
             self._start_renewing()
-            return batch
+        return batches
 
     def ack(self, batch: Batch) -> None:
         """The batch's group is consumed. ``Conflict`` when it is no longer leased to this consumer (its lease
         ran out and another took it, or it was acknowledged already); ``NotFound`` when this consumer never
         claimed it."""
-        group = batch.meta["group_id"]
-        self._acked.add(group)
+        self.ack_many([batch])
+
+    def ack_many(self, batches: list[Batch]) -> None:
+        """The batches' groups are consumed, in one transaction: all, or none and a ``Conflict`` naming each
+        group this consumer no longer holds (those stay held, to ack or give back); ``NotFound`` when this
+        consumer does not hold one of them."""
+        batches = list(batches)
+        groups = [batch.meta["group_id"] for batch in batches]
+        self._acked.update(groups)
         with self._lock:
-            claim = self._held.get(group)
-        if claim is None:
-            raise NotFound(f"group {group!r} is not held by consumer {self.name!r}")
+            claims = [self._held.get(group) for group in groups]
+        missing = [group for group, claim in zip(groups, claims) if claim is None]
+        if missing:
+            raise NotFound(f"group(s) {', '.join(map(repr, missing))} not held by consumer {self.name!r}")
         try:
-            self.fleet.ack(claim)
-        finally:  # acknowledged, or refused for good (Conflict): no longer ours to renew either way
-            with self._lock:
-                self._held.pop(group, None)
-        self.report["groups acknowledged"] += 1
-        self.report["rows acknowledged"] += len(batch)
+            self.fleet.ack_many(claims)
+        except Conflict as exc:  # the lost ones are no longer ours to renew; the others still are
+            self._forget(getattr(exc, "groups", groups))
+            raise
+        self._forget(groups)
+        self.report["groups acknowledged"] += len(groups)
+        self.report["rows acknowledged"] += sum(len(batch) for batch in batches)
 
     def release(self, batch: Batch) -> None:
         """Give the batch's group back unconsumed (another consumer may take it at once)."""
+        self.release_many([batch])
+
+    def release_many(self, batches: list[Batch]) -> list[str]:
+        """Give the batches' groups back unconsumed, at once; returns those this consumer still held."""
+        groups = [batch.meta["group_id"] for batch in batches]
         with self._lock:
-            claim = self._held.pop(batch.meta["group_id"], None)
-        if claim is not None:
-            self.fleet.release(claim)
+            claims = [self._held.pop(group) for group in groups if group in self._held]
+        return self.fleet.release_many(claims) if claims else []
+
+    def renew(self, batches: list[Batch] | None = None) -> list[str]:
+        """Extend the leases now (None: of every group held) to ``lease_s``; returns the groups no longer
+        held. The background thread does the same every third of ``lease_s``."""
+        wanted = None if batches is None else {batch.meta["group_id"] for batch in batches}
+        with self._lock:
+            held = [c for c in self._held.values() if wanted is None or c.group_id in wanted]
+        lost = [] if wanted is None else sorted(wanted - {c.group_id for c in held})
+        return lost + self._renew(held)
+
+    @property
+    def held(self) -> list[str]:
+        """The groups claimed and neither acknowledged nor given back."""
+        with self._lock:
+            return list(self._held)
+
+    @contextmanager
+    def step(self, k: int) -> Iterator[list[Batch]]:
+        """Up to ``k`` batches for one optimizer step, acknowledged together when the block ends; given
+        back when it raises."""
+        with stepping(self, k) as batches:
+            yield batches
+
+    def _forget(self, groups) -> None:
+        with self._lock:
+            for group in groups:
+                self._held.pop(group, None)
 
     def __iter__(self) -> Iterator[Batch]:
         """Ready groups until none is left; asking for the next acknowledges the one before."""
@@ -139,17 +205,20 @@ class RemoteConsumer:
 
     # --- claims and leases ---------------------------------------------------------------------------------
 
-    def _next_claim(self) -> Claim | None:
+    def _next_claims(self, k: int) -> list[Claim]:
         if not self._resumed:  # a restart under the same name: its own unacknowledged groups first
             self._resumed = True
             self._waiting = [c for c in self.fleet.held(self.name) if c.group_id not in self._held]
-        while self._waiting:
+        resumed = []
+        while self._waiting and len(resumed) < k:
             try:
-                return self.fleet.renew(self._waiting.pop(0), self.lease_s)
+                resumed.append(self.fleet.renew(self._waiting.pop(0), self.lease_s))
             except (Conflict, NotFound):
                 continue  # taken over by another consumer meanwhile
-        claims = self.fleet.claim(self.name, n=1, lease_s=self.lease_s, channel=self.channel)
-        return claims[0] if claims else None
+        if resumed:
+            return resumed
+        return self.fleet.claim(self.name, n=k, lease_s=self.lease_s, channel=self.channel,
+                                max_staleness=self.max_staleness)
 
     def _put_back(self, claim: Claim, exc: Exception) -> None:
         """A group its node cannot serve now: its lease cut short, so it comes back after ``retry_after_s``."""
@@ -170,20 +239,27 @@ class RemoteConsumer:
         while not self._stop.wait(self.lease_s / 3):
             with self._lock:
                 held = list(self._held.values())
-            for claim in held:
-                try:
-                    renewed = self.fleet.renew(claim, self.lease_s)
-                except (Conflict, NotFound):  # ran out and taken by another: the ack will say so
-                    self.report["leases lost while held"] += 1
-                    continue
-                except StoreUnavailable:
-                    continue  # the coordinator is away: the next round tries again
-                except Exception:  # anything else must not end the renewals of the other claims
-                    log.exception("stepmill: renewing the lease of group %s failed", claim.group_id)
-                    continue
-                with self._lock:
-                    if claim.group_id in self._held:
-                        self._held[claim.group_id] = renewed
+            self._renew(held)
+
+    def _renew(self, held: list[Claim]) -> list[str]:
+        """Each claim's lease extended; the groups whose leases were lost (the ack will say so too)."""
+        lost = []
+        for claim in held:
+            try:
+                renewed = self.fleet.renew(claim, self.lease_s)
+            except (Conflict, NotFound):  # ran out and taken by another
+                self.report["leases lost while held"] += 1
+                lost.append(claim.group_id)
+                continue
+            except StoreUnavailable:
+                continue  # the coordinator is away: the next round tries again
+            except Exception:  # anything else must not end the renewals of the other claims
+                log.exception("stepmill: renewing the lease of group %s failed", claim.group_id)
+                continue
+            with self._lock:
+                if self._held.get(claim.group_id) is claim:
+                    self._held[claim.group_id] = renewed
+        return lost
 
     # --- fetching from the nodes ---------------------------------------------------------------------------
 

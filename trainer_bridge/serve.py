@@ -1,8 +1,14 @@
 """`stepmill serve`: the consumption stream over HTTP, for a trainer on another machine.
 
-    POST /v1/claim {consumer, n?, channel?, lease_seconds?, max_staleness?}
+    POST /v1/claim  {consumer, session?, n?, channel?, lease_seconds?, max_staleness?, scored?}
          → 200 a safetensors file (the batch's arrays; row metadata and counts in its metadata), or 204
-    POST /v1/ack   {consumer, group_id} → 200 (the group's row count was recorded when its batch was made)
+    POST /v1/claims {consumer, k, session?, n?, …} → 200 up to k groups' batches in one safetensors file
+         (``batches_from_bytes``), or 204
+    POST /v1/ack    {consumer, group_id | group_ids, session?} → 200: all acknowledged in one transaction,
+         or none and 409 naming each group no longer held (404: never claimed). The row counts were
+         recorded when the batches were made.
+    POST /v1/release {consumer, group_ids, session?} → 200 {"released": [...]}: given back at once
+    POST /v1/renew   {consumer, group_ids, session?, lease_seconds?} → 200 {"lost": [...]}
     GET  /v1/groups/{group_id}/batch?run=T1&run=T2&max_prompt_length=…&max_response_length=…&overlong=…&pad_id=…
          → 200 the group's gated steps (those of the named runs, all of them without ``run``) as one
          batch, the step layout of ``Consumer``; 404 when a named run is not in this file. The fleet's
@@ -10,7 +16,10 @@
     GET  /v1/health
 
 Every call but health needs the write token (``Authorization: Bearer``), as the control API does.
-On the trainer's side, ``NodeConsumer`` (below) is the same iterator as ``Consumer``.
+``session`` names one consumer instance (``Consumer``'s): it is never handed a group it holds, and a
+new session under the same name (a restarted trainer) takes up the name's groups first; a claim
+without one is a session of its own. On the trainer's side, ``NodeConsumer`` (below) is ``Consumer``
+over HTTP: the same methods, errors (``Conflict``, ``NotFound``) and iteration.
 """
 
 from __future__ import annotations
@@ -18,7 +27,11 @@ from __future__ import annotations
 import json
 import struct
 import threading
+import urllib.error
 import urllib.request
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -28,11 +41,12 @@ from stepmill.auth.write_token import bearer_matches
 from stepmill.errors import BadInput, Conflict, NotFound
 from stepmill.protocols.http_json import send_body, send_json
 from stepmill.store import Store
+from stepmill.store.ids import new_id
 
-from stepmill.trainer_bridge.consume import Consumer, acknowledging
+from stepmill.trainer_bridge.consume import Consumer, acknowledging, group_ids, stepping
 from stepmill.trainer_bridge.layouts import OVERLONG, Batch, group_batch
 
-CLAIM_FIELDS = {"consumer", "n", "channel", "lease_seconds", "max_staleness"}
+CLAIM_FIELDS = {"consumer", "session", "n", "channel", "lease_seconds", "max_staleness", "scored"}
 # The step layout's options a group's batch may be asked with (query parameters), and their types.
 LAYOUT_FIELDS = {"max_prompt_length": int, "max_response_length": int, "overlong": str, "pad_id": int}
 
@@ -74,13 +88,46 @@ def batch_bytes(batch: Batch) -> bytes:
 
 
 def batch_from_bytes(data: bytes) -> Batch:
-    from collections import Counter
-
     from safetensors.numpy import load
 
     (length,) = struct.unpack("<Q", data[:8])
     metadata = json.loads(data[8:8 + length]).get("__metadata__") or {}
     return Batch(load(data), json.loads(metadata.get("meta", "{}")), Counter(json.loads(metadata.get("report", "{}"))))
+
+
+def batches_bytes(batches: list[Batch]) -> bytes:
+    """Several batches in one safetensors file: batch i's arrays named ``i/name``."""
+    from safetensors.numpy import save
+
+    tensors = {f"{i}/{name}": np.ascontiguousarray(array) for i, batch in enumerate(batches)
+               for name, array in batch.tensors.items()}
+    return save(tensors, metadata={"batches": json.dumps([{"meta": b.meta, "report": dict(b.report)}
+                                                          for b in batches], default=str)})
+
+
+def batches_from_bytes(data: bytes) -> list[Batch]:
+    from safetensors.numpy import load
+
+    (length,) = struct.unpack("<Q", data[:8])
+    described = json.loads((json.loads(data[8:8 + length]).get("__metadata__") or {}).get("batches", "[]"))
+    arrays = load(data)
+    return [Batch({name.partition("/")[2]: array for name, array in arrays.items() if name.startswith(f"{i}/")},
+                  about["meta"], Counter(about["report"])) for i, about in enumerate(described)]
+
+
+def _group_list(body: dict) -> list[str]:
+    """The request's groups: ``group_ids`` (a list) or one ``group_id``; BadInput otherwise."""
+    groups = body.get("group_ids", [body["group_id"]] if "group_id" in body else None)
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, str) and g for g in groups):
+        raise BadInput("give a group_id or a non-empty list of group_ids")
+    return groups
+
+
+def _session(body: dict) -> str | None:
+    session = body.get("session")
+    if session is not None and (not isinstance(session, str) or not session):
+        raise BadInput("session must be a non-empty string")
+    return session
 
 
 def make_server(db_path: str, host: str, port: int, token: str) -> ThreadingHTTPServer:
@@ -123,26 +170,44 @@ def make_server(db_path: str, host: str, port: int, token: str) -> ThreadingHTTP
             if not isinstance(body, dict) or not isinstance(body.get("consumer"), str) or not body["consumer"]:
                 return self._error(400, "give a consumer name")
             path = self.path.rstrip("/")
-            if path == "/v1/claim":
-                unknown = set(body) - CLAIM_FIELDS
+            try:
+                return self._post(path, body)
+            except (BadInput, Conflict, NotFound) as exc:  # held by another or acknowledged already; never claimed
+                return self._error(exc.status, str(exc))
+
+        def _post(self, path: str, body: dict):
+            if path in ("/v1/claim", "/v1/claims"):
+                fields = CLAIM_FIELDS | ({"k"} if path == "/v1/claims" else set())
+                unknown = set(body) - fields
                 if unknown:
                     return self._error(400, f"unknown field {sorted(unknown)[0]!r}")
+                _session(body)
                 consumer = Consumer(self._store(), body["consumer"], **{k: v for k, v in body.items()
-                                                                        if k != "consumer"})
-                batch = consumer.claim()
-                if batch is None:
+                                                                        if k not in ("consumer", "k")})
+                if path == "/v1/claim":
+                    batch = consumer.claim()
+                    if batch is None:
+                        return self._answer(204)
+                    batch.report.update(consumer.report)
+                    return self._answer(200, batch_bytes(batch), "application/octet-stream")
+                batches = consumer.claim_many(body.get("k", 1))
+                if not batches:
                     return self._answer(204)
-                batch.report.update(consumer.report)
-                return self._answer(200, batch_bytes(batch), "application/octet-stream")
+                batches[0].report.update(consumer.report)
+                return self._answer(200, batches_bytes(batches), "application/octet-stream")
+            if path not in ("/v1/ack", "/v1/release", "/v1/renew"):
+                return self._error(404, f"no endpoint {self.path}")
+            store, consumer, groups, session = self._store(), body["consumer"], _group_list(body), _session(body)
             if path == "/v1/ack":
-                if not isinstance(body.get("group_id"), str):
-                    return self._error(400, "give a group_id")
-                try:
-                    self._store().ack_group(body["consumer"], body["group_id"])
-                except (Conflict, NotFound) as exc:  # held by another or acknowledged already; never claimed
-                    return self._error(exc.status, str(exc))
+                store.ack_groups(consumer, groups, session=session)
                 return self._answer(200, b'{"ok": true}')
-            return self._error(404, f"no endpoint {self.path}")
+            if path == "/v1/release":
+                return send_json(self, 200, {"released": store.release_groups(consumer, groups, session=session)})
+            lease = body.get("lease_seconds", 600)
+            if isinstance(lease, bool) or not isinstance(lease, (int, float)) or lease <= 0:
+                raise BadInput("lease_seconds must be a positive number")
+            return send_json(self, 200, {"lost": store.renew_groups(consumer, groups, session=session,
+                                                                    lease_seconds=lease)})
 
         def log_message(self, *args):
             pass
@@ -150,32 +215,123 @@ def make_server(db_path: str, host: str, port: int, token: str) -> ThreadingHTTP
     return ThreadingHTTPServer((host, port), Handler)
 
 
+class _Refusal(urllib.error.HTTPError):
+    def __init__(self, exc: urllib.error.HTTPError, message: str):
+        urllib.error.HTTPError.__init__(self, exc.url, exc.code, message, exc.headers, None)
+        self.args = (message,)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class Refused(Conflict, _Refusal):
+    """The server's 409 (a group no longer held): a ``Conflict`` with its message, and the HTTP error."""
+
+    __init__, __str__ = _Refusal.__init__, _Refusal.__str__
+
+
+class Unknown(NotFound, _Refusal):
+    """The server's 404 (a group nobody claimed): a ``NotFound`` with its message, and the HTTP error."""
+
+    __init__, __str__ = _Refusal.__init__, _Refusal.__str__
+
+
+def _refusal(exc: urllib.error.HTTPError) -> Exception:
+    """The server's refusal as stepmill's error (still an ``HTTPError``), its message the server's."""
+    kind = {409: Refused, 404: Unknown}.get(exc.code)
+    if kind is None:
+        return exc
+    try:
+        message = json.loads(exc.read()).get("error") or str(exc.reason)
+    except (ValueError, AttributeError):
+        message = str(exc.reason)
+    return kind(exc, message)
+
+
 class NodeConsumer:
-    """``Consumer`` of one node over HTTP: ``for batch in NodeConsumer(url, "trainer-0", n=8): …; .ack(batch)``
-    (a fleet's trainers use ``remote.RemoteConsumer``, which finds the node of each group)."""
+    """``Consumer`` of one node over HTTP: ``for batch in NodeConsumer(url, "trainer-0", n=8): …``, or
+    ``claim_many(k)`` … ``ack_many(batches)`` (``step(k)``), ``renew()``, ``release_many`` (a fleet's
+    trainers use ``remote.RemoteConsumer``, which finds the node of each group). A refused ack is a
+    ``Conflict`` (409) naming the groups no longer held, an unknown group ``NotFound`` (404); both are
+    also ``urllib.error.HTTPError``."""
 
     def __init__(self, url: str, name: str, *, token: str | None = None, confdir: str | None = None,
-                 timeout: float = 120, **params):
+                 timeout: float = 120, session: str | None = None, **params):
         from stepmill.auth.write_token import read_token
 
         self.url, self.name, self.timeout = url.rstrip("/"), name, timeout
         self.token = token or read_token(confdir)
+        self.session = session or new_id("session")
         self.params = params
+        self.lease_seconds = params.get("lease_seconds", 600)
+        self.report: Counter = Counter()
         self._acked: set = set()
+        self.held: list[str] = []  # groups claimed and neither acknowledged nor given back, oldest first
 
     def _post(self, path: str, body: dict):
-        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), method="POST",
-                                         headers={"Content-Type": "application/json",
-                                                  "Authorization": f"Bearer {self.token or ''}"})
-        return urllib.request.urlopen(request, timeout=self.timeout)
+        request = urllib.request.Request(self.url + path, data=json.dumps({"consumer": self.name, **body}).encode(),
+                                         method="POST", headers={"Content-Type": "application/json",
+                                                                 "Authorization": f"Bearer {self.token or ''}"})
+        try:
+            return urllib.request.urlopen(request, timeout=self.timeout)
+        except urllib.error.HTTPError as exc:
+            raise _refusal(exc) from None
 
     def claim(self) -> Batch | None:
-        with self._post("/v1/claim", {"consumer": self.name, **self.params}) as response:
-            return None if response.status == 204 else batch_from_bytes(response.read())
+        batches = self.claim_many(1)
+        return batches[0] if batches else None
+
+    def claim_many(self, k: int) -> list[Batch]:
+        """Up to ``k`` groups' batches, leased to this consumer in one transaction; [] when none is ready."""
+        with self._post("/v1/claims", {"session": self.session, "k": k, **self.params}) as response:
+            batches = [] if response.status == 204 else batches_from_bytes(response.read())
+        if batches:
+            self.report.update(batches[0].report)
+        self.held += group_ids(batches)
+        return batches
 
     def ack(self, batch: Batch) -> None:
-        self._acked.add(batch.meta["group_id"])
-        self._post("/v1/ack", {"consumer": self.name, "group_id": batch.meta["group_id"]}).close()
+        self.ack_many([batch])
+
+    def ack_many(self, batches: Iterable[Batch]) -> None:
+        """All the batches' groups acknowledged in one transaction, or none (``Conflict`` naming each lost)."""
+        groups = group_ids(batches)
+        self._acked.update(groups)
+        self._post("/v1/ack", {"session": self.session, "group_ids": groups}).close()
+        self._forget(groups)
+        self.report["groups acknowledged"] += len(groups)
+
+    def release(self, batch: Batch) -> None:
+        self.release_many([batch])
+
+    def release_many(self, batches: Iterable[Batch]) -> list[str]:
+        groups = group_ids(batches)
+        with self._post("/v1/release", {"session": self.session, "group_ids": groups}) as response:
+            released = json.loads(response.read())["released"]
+        self._forget(groups)
+        return released
+
+    def renew(self, batches: Iterable[Batch] | None = None) -> list[str]:
+        """Extend the leases (None: of every group held); returns the groups no longer held."""
+        groups = list(self.held) if batches is None else group_ids(batches)
+        if not groups:
+            return []
+        with self._post("/v1/renew", {"session": self.session, "group_ids": groups,
+                                      "lease_seconds": self.lease_seconds}) as response:
+            lost = json.loads(response.read())["lost"]
+        if lost:
+            self.report["leases lost while held"] += len(lost)
+        return lost
+
+    @contextmanager
+    def step(self, k: int) -> Iterator[list[Batch]]:
+        """Up to ``k`` batches, acknowledged together after the block, given back when it raises."""
+        with stepping(self, k) as batches:
+            yield batches
+
+    def _forget(self, groups: list[str]) -> None:
+        done = set(groups)
+        self.held = [group for group in self.held if group not in done]
 
     def __iter__(self):
         """Asking for the next batch acknowledges the one before, as ``Consumer`` does."""
@@ -195,4 +351,5 @@ class NodeConsumer:
         return Stream()
 
 
-__all__ = ["make_server", "NodeConsumer", "batch_bytes", "batch_from_bytes", "runs_batch"]
+__all__ = ["make_server", "NodeConsumer", "batch_bytes", "batch_from_bytes", "batches_bytes", "batches_from_bytes",
+           "runs_batch"]

@@ -18,6 +18,7 @@ import sys
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression (+ - * / ** and parentheses).",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+SYSTEM = "Solve the task. Use the calculator for arithmetic. End with the answer in \\boxed{}."
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
 
@@ -54,14 +55,16 @@ def main(argv=None) -> int:
     parser.add_argument("--base-url", default=os.environ.get("OPENAI_BASE_URL", "https://api.openai.com/v1"))
     parser.add_argument("--model", default=os.environ.get("STEPMILL_MODEL", "gpt-4o-mini"))
     parser.add_argument("--max-turns", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=int(os.environ["STEPMILL_SEED"]) if os.environ.get("STEPMILL_SEED")
+                        else None, help="Sampling seed of the first call (the next ones add their turn).")
     args = parser.parse_args(argv)
     task = args.task if args.task is not None else sys.stdin.read()
     client = openai.OpenAI(base_url=args.base_url, api_key=os.environ.get("OPENAI_API_KEY", "sk-local"), max_retries=1)
-    messages = [{"role": "system", "content": "Solve the task. Use the calculator for arithmetic. "
-                                              "End with the answer in \\boxed{}."},
-                {"role": "user", "content": task.strip()}]
-    for _ in range(args.max_turns):
-        message = client.chat.completions.create(model=args.model, messages=messages, tools=[CALCULATOR]).choices[0].message
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task.strip()}]
+    for turn in range(args.max_turns):
+        seeded = {} if args.seed is None else {"seed": args.seed + turn}
+        message = client.chat.completions.create(model=args.model, messages=messages, tools=[CALCULATOR],
+                                                 **seeded).choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
             print(message.content or "")

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import sys
+import time
 import traceback
 import urllib.error
 import urllib.request
@@ -68,7 +69,8 @@ class Generation:
 class Session:
     """What a white-box agent may use: the tokenizer, the engine, and nothing of stepmill's."""
 
-    def __init__(self, engine_url: str, model: str, tokenizer: str, out=None, timeout: float = 120.0):
+    def __init__(self, engine_url: str, model: str, tokenizer: str, out=None, timeout: float = 120.0,
+                 seed: int | None = None):
         from tokenizers import Tokenizer
 
         self.engine_url = engine_url.rstrip("/")
@@ -77,6 +79,7 @@ class Session:
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json" if folder.is_dir() else folder))
         self.out = out or sys.stdout
         self.timeout = timeout
+        self.seed = seed  # each generation's sampling seed is this plus its number
         self.steps = 0
 
     def encode(self, text: str) -> list[int]:
@@ -92,9 +95,12 @@ class Session:
         the runner to submit."""
         body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "return_token_ids": True,
                 "logprobs": 0, **sampling}
+        if self.seed is not None and "seed" not in body:  # the runner's: a run and its paired control draw alike
+            body["seed"] = self.seed + self.steps
         request = urllib.request.Request(f"{self.engine_url}/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json",
                                                   "Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', 'sk-local')}"})
+        started_at = time.time()  # the policy version stamped is the one in force then
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 payload = json.loads(response.read())
@@ -116,7 +122,7 @@ class Session:
                                 choice.get("finish_reason"), message)
         step = {"prompt_ids": prompt_ids, "response_ids": ids, "logprobs": generation.logprobs,
                 "model": payload.get("model") or self.model, "finish_reason": generation.finish_reason,
-                "messages": messages or [], "completion": generation.message}
+                "messages": messages or [], "completion": generation.message, "started_at": started_at}
         self.out.write(json.dumps({k: v for k, v in step.items() if v is not None}) + "\n")
         self.out.flush()
         self.steps += 1
@@ -157,7 +163,8 @@ def main(argv=None) -> int:
     try:
         task = json.loads(sys.stdin.read())
         session = Session(os.environ["STEPMILL_ENGINE_URL"], os.environ.get("STEPMILL_MODEL", "default"),
-                          os.environ["STEPMILL_TOKENIZER"], out=steps_out)
+                          os.environ["STEPMILL_TOKENIZER"], out=steps_out,
+                          seed=int(os.environ["STEPMILL_SEED"]) if os.environ.get("STEPMILL_SEED") else None)
         answer = load_entry(argv[0])(task, session)
     except Exception:
         traceback.print_exc()

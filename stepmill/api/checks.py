@@ -109,6 +109,7 @@ STEP_FIELDS: dict[str, Spec] = {
     "parent_step_id": STRING,
     "step_index": (lambda v: is_int64(v) and v >= 0, "a non-negative integer below 2^63"),
     "policy_version": VERSION,
+    "started_at": NUMBER,  # when the generation began (epoch seconds): the version in effect then is stamped
     "is_last": FLAG,
     "metadata": OBJECT,
     "messages": (lambda v: isinstance(v, list) and all(isinstance(m, dict) for m in v) and is_clean(v),

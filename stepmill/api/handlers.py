@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,17 +24,34 @@ from stepmill.api.checks import (
     TRAJECTORY_FIELDS,
     VERSION,
     check,
+    is_text,
     json_object,
 )
 from stepmill.auth.runs import Run
 from stepmill.auth.secret_hashes import new_secret, secret_hash
-from stepmill.errors import BadInput, NotFound, StepmillError
+from stepmill.errors import BadInput, NotFound, StepmillError, StoreUnavailable
 from stepmill.pipeline.journal import stats_with_backlog
 from stepmill.store import Store
 from stepmill.store.ids import now_iso
 from stepmill.store.records import StepRecord
 
 THUMBS = {"up": 1.0, "down": -1.0}  # feedback thumbs as rewards (README: Curation)
+
+
+def _is_door(value) -> bool:
+    """A loopback address other than 127.0.0.1 (which every local client has): a sandboxed run's door."""
+    import ipaddress
+
+    try:
+        address = ipaddress.IPv4Address(value)
+    except ValueError:
+        return False
+    return address.is_loopback and str(address) == value and value != "127.0.0.1"
+
+
+DOOR = (_is_door, "a loopback address other than 127.0.0.1, as 127.a.b.c")
+HOSTS = (lambda v: isinstance(v, list) and len(v) <= 100 and all(isinstance(h, str) and 0 < len(h) < 300 and is_text(h)
+                                                                  for h in v), "a list of host[:port] strings")
 
 
 class ApiError(StepmillError):
@@ -109,8 +127,11 @@ class Handlers:
         return 200, {"policy_version": self.store.policy_version()}
 
     def set_policy_version(self, body):
-        data = check(json_object(body), {"policy_version": VERSION}, required=("policy_version",))
-        self.store.set_policy_version(data["policy_version"])
+        data = check(json_object(body), {"policy_version": VERSION, "since": NUMBER}, required=("policy_version",))
+        since = data.get("since")
+        if since is not None and since > time.time():
+            raise BadInput("field 'since' is a time already past (epoch seconds): calls are stamped by when they started")
+        self.store.set_policy_version(data["policy_version"], since=since)
         version = self.store.policy_version()
         self.on_policy_version(version)
         return 200, {"policy_version": version}
@@ -140,20 +161,46 @@ class Handlers:
         if self._barrier is not None and not self._barrier.get("committed"):
             raise ApiError(503, f"calls of trajectory {tid!r} are not committed yet ({self._barrier}); it stays "
                                 "open: complete it again")
+        self._revoke(tid)  # a completed run writes nothing more, whoever completes it
         completed = with_urls(self.store.complete_trajectory(tid, reward=data.get("reward")), self.endpoints())
         return 200, {**completed, **({"barrier": self._barrier} if self._barrier is not None else {})}
 
     def register_run(self, body, tid):
         """A fresh secret for the trajectory's run: from now on only credentials with it write to the
         trajectory (a rerun's registration replaces the old secret). The secret is answered once."""
-        check(json_object(body), {})
+        data = check(json_object(body), {"door": DOOR, "hosts": HOSTS})
         secret = new_secret()
         try:
-            row = self.store.register_run(tid, secret_hash(secret))
+            row = self.store.register_run(tid, secret_hash(secret), door=data.get("door"), hosts=data.get("hosts"))
         except NotFound:
             raise NotFound(f"no trajectory {tid!r}") from None
-        self.on_run(Run(tid, row["group_id"], row["channel"], row["secret_hash"], row["rowid"]))
+        self.on_run(Run(tid, row["group_id"], row["channel"], row["secret_hash"], row["rowid"], door=row["door"],
+                        hosts=tuple(row["hosts"])))
         return 201, {**with_urls(self._trajectory(tid), self.endpoints(), secret), "secret": secret}
+
+    def revoke_run(self, body, tid):
+        """The run ended: its secret writes nothing from the next call on (every worker is told first)."""
+        check(json_object(body), {})
+        self._trajectory(tid)
+        row = self._revoke(tid)
+        if row is None:
+            raise NotFound(f"trajectory {tid!r} is not a registered run")
+        return 200, {"trajectory_id": tid, "revoked_at": row["revoked_at"]}
+
+    def _revoke(self, tid: str) -> dict | None:
+        unrecorded = None
+        try:
+            row = self.store.revoke_run(tid)
+        except StoreUnavailable as exc:
+            # The file cannot be written (a full disk): the secret stops working in every worker now all
+            # the same; the revocation is recorded when asked again.
+            unrecorded, row = exc, self.store.latest_run(tid)
+        if row is not None:
+            self.on_run(Run(tid, row["group_id"], row["channel"], row["secret_hash"], row["rowid"], revoked=True,
+                            door=row.get("door")))
+        if unrecorded is not None:
+            raise ApiError(503, f"run {tid!r} is revoked in the proxy but not recorded: {unrecorded}") from unrecorded
+        return row
 
     def barrier(self, body):
         """Answered once every call the proxy had received when it arrived is committed."""
@@ -176,9 +223,11 @@ class Handlers:
             # White-box agents submit turns in order: by default a step continues the latest one
             # (an explicit "parent_step_id": null starts the trajectory afresh: a root).
             parent = self.store.last_step(data["trajectory_id"])
-        version = data.get("policy_version")
-        if version is None:
-            version = self.store.policy_version()
+        version, started = data.get("policy_version"), data.get("started_at")
+        if started is not None and started > time.time():
+            raise BadInput("field 'started_at' is a time already past (epoch seconds)")
+        if version is None:  # the version whose weights the engine served when the generation began
+            version = self.store.policy_version() if started is None else self.store.policy_version_at(started)
         record = StepRecord(
             api="control",
             transport="http",

@@ -41,6 +41,7 @@ ROUTES = [
     Route("PATCH", "/v1/trajectories/{tid}", "update_trajectory"),
     Route("POST", "/v1/trajectories/{tid}/complete", "complete_trajectory", waits_for="tid"),
     Route("POST", "/v1/trajectories/{tid}/credentials", "register_run"),
+    Route("DELETE", "/v1/trajectories/{tid}/credentials", "revoke_run"),
     Route("POST", "/v1/barrier", "barrier", waits_for=EVERY_CALL),
     Route("POST", "/v1/steps", "submit_step"),
     Route("GET", "/v1/steps/{sid}", "get_step"),

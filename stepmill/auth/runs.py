@@ -3,7 +3,8 @@
 The runner registers each run (trajectory, group, channel) with a fresh secret and hands the agent
 credentials that carry it. For a registered trajectory, only a credential (proxy user-info or a
 tagged reverse path) with its secret may write; tag headers never override a credential; a
-trajectory nobody registered may not join a registered group. Everything else is tagged as before
+trajectory nobody registered may not join a registered group. A run's credentials are revoked when it
+ends (completed, failed, timed out or cancelled): from then on they write nothing. Everything else is tagged as before
 (``stepmill.tags``). Lookups are dictionary reads and one SHA-256 of a short secret: cheap enough for
 the loop. The table is filled by the control API in this process and, for runs registered through
 another proxy on the same file, by a thread that reads new rows off the loop.
@@ -28,23 +29,61 @@ class Run:
     channel: str | None
     secret_hash: str
     rowid: int = 0  # its registration's row: a later one replaces it, an older one never does
+    revoked: bool = False  # the run ended: its secret no longer writes (its trajectory stays registered)
+    door: str | None = None  # a sandboxed run's loopback address: every call from it is this run's
+    hosts: tuple = ()  # what else than LLM calls a run at a door may reach through the proxy (host[:port])
 
     def admits(self, secret: str | None) -> bool:
-        return secret_matches(secret, self.secret_hash)
+        return not self.revoked and secret_matches(secret, self.secret_hash)
 
 
 class RunTable:
     def __init__(self):
         self.runs: dict[str, Run] = {}
         self.groups: set[str] = set()
+        self.doors: dict[str, str] = {}  # door address -> the trajectory of the run behind it
+        self.open_doors: set[str] = set()  # trajectories of sandboxed runs not yet ended
 
     def add(self, run: Run) -> None:
         known = self.runs.get(run.trajectory_id)
         if known is not None and known.rowid > run.rowid:
             return  # read late from the file: the newer registration (a rerun's secret) stands
+        if known is not None and known.door and self.doors.get(known.door) == run.trajectory_id:
+            del self.doors[known.door]
+        if isinstance(run.hosts, list):
+            run = Run(**{**run.__dict__, "hosts": tuple(run.hosts)})
         self.runs[run.trajectory_id] = run
+        if run.door:
+            self.doors[run.door] = run.trajectory_id
+        if run.door and not run.revoked:
+            self.open_doors.add(run.trajectory_id)
+        else:
+            self.open_doors.discard(run.trajectory_id)
         if run.group_id:
             self.groups.add(run.group_id)
+
+    def at_door(self, address: str | None) -> Run | None:
+        """The run whose door a connection comes from, or None (not a sandboxed run's)."""
+        trajectory = self.doors.get(address) if address else None
+        return self.runs.get(trajectory) if trajectory else None
+
+    @staticmethod
+    def through_door(run: Run, credentials: tuple, headers: Tags | None) -> Tags:
+        """A call from a run's door is that run's, whatever it says: it may name no other trajectory (a
+        tagged path, credentials of another run or of one nobody registered; tag headers too when no
+        credential is given) nor another group, and it writes nothing once the run ended. Its secret is
+        not needed: the connection itself says who sent it."""
+        if run.revoked:
+            raise Refused(f"run {run.trajectory_id!r} has ended: its credentials were revoked")
+        named = [(tags.trajectory_id, None) for tags in credentials if tags is not None and tags.trajectory_id]
+        if not named and headers is not None:  # as without a door: headers never override credentials
+            named = [(headers.trajectory_id, headers.group_id)]
+        for trajectory, group in named:  # (a credential's password is its secret, or else a group: not checked)
+            for what, given, own in (("trajectory", trajectory, run.trajectory_id), ("group", group, run.group_id)):
+                if given and given != own:
+                    raise Refused(f"this call came through the door of run {run.trajectory_id!r}: it may write to "
+                                  f"that run's trajectory alone, not to {what} {given!r}")
+        return Tags(run.trajectory_id, run.group_id, run.channel)
 
     def credential(self, *sources: Tags | None) -> Tags | None:
         """The one credential of a call (a tagged path, the connection's or the request's proxy
@@ -62,14 +101,21 @@ class RunTable:
         run = self.runs[chosen.trajectory_id]
         return next((tags for tags in registered if run.admits(tags.secret)), chosen)
 
-    def resolve(self, credential: Tags | None, headers: Tags | None) -> Tags:
-        """The tags a call is recorded under, or Refused with the reason."""
+    def resolve(self, credential: Tags | None, headers: Tags | None, *, vouched: bool = False) -> Tags:
+        """The tags a call that came through no run's door is recorded under, or Refused with the
+        reason. While sandboxed runs are open, such a call needs a registered run's credentials, or
+        ``vouched``: the write token came with it (whoever holds it may write anything anyway)."""
         if credential is not None and credential.trajectory_id in self.runs:
             run = self.runs[credential.trajectory_id]
+            if run.revoked:
+                raise Refused(f"run {run.trajectory_id!r} has ended: its credentials were revoked")
             if not run.admits(credential.secret):
                 raise Refused(f"trajectory {run.trajectory_id!r} is a registered run: its credentials carry "
                               f"a secret this request {'gets wrong' if credential.secret else 'lacks'}")
             return Tags(run.trajectory_id, run.group_id, run.channel)  # headers never override
+        if self.open_doors and not vouched:
+            raise Refused(f"{len(self.open_doors)} sandboxed run(s) of a rollout are open: a call that comes through "
+                          f"no run's door needs a registered run's credentials or the write token (X-Stepmill-Token)")
         tags = (credential or Tags()).merge(headers)
         tags.secret = None
         if tags.trajectory_id in self.runs:

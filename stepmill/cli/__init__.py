@@ -9,7 +9,7 @@ import sys
 import click
 
 from stepmill import __version__
-from stepmill.cli import capture, curate, data, fleet, runs
+from stepmill.cli import capture, curate, data, fleet, runs, train
 from stepmill.errors import StepmillError
 
 __all__ = ["main"]
@@ -37,6 +37,6 @@ def main():
     """stepmill: agents' LLM traffic in, training-ready RL step records out."""
 
 
-for _command in (*capture.COMMANDS, *data.COMMANDS, *curate.COMMANDS, *runs.COMMANDS, *fleet.COMMANDS):
+for _command in (*capture.COMMANDS, *data.COMMANDS, *curate.COMMANDS, *runs.COMMANDS, *fleet.COMMANDS, *train.COMMANDS):
     main.add_command(_command)
 del _command

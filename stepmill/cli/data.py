@@ -45,6 +45,11 @@ def stats(db, as_json):
                f"{share(data['consistent_share'])} of {data['parent_child_pairs_checked']} checked pairs")
     if data["policy_version"] is not None:
         click.echo(f"policy version: {data['policy_version']}")
+    from stepmill.trainer_bridge.consume import staleness_summary
+
+    consumed = staleness_summary(store.consumption_staleness())
+    if consumed:
+        click.echo(consumed)
     backlog = data["journal"]
     if backlog["uncommitted_bytes"]:
         click.echo(f"not yet committed: {backlog['uncommitted_bytes']} bytes of calls in {backlog['journals']} "

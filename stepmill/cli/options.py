@@ -70,6 +70,18 @@ class CurationChoice(click.Choice):
         return tuple(getattr(curation, self.name_in_store))
 
 
+def stop_on_signals() -> None:
+    """Ctrl-C and a plain kill stop a long command cleanly (its children stopped, what ran kept), also
+    where the shell started it with SIGINT ignored: both raise KeyboardInterrupt."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def on_interrupt(message: str):
     """What the command says when Ctrl-C (or a signal it turns into one) stops it, after its own
     clean-up ran; ``StepmillGroup`` prints it and exits with status 130. Put it above ``@click.command``."""

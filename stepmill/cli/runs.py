@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import signal
 import sys
 from pathlib import Path
 
 import click
 
-from stepmill.cli.options import address_options, config_db_option, on_interrupt
+from stepmill.cli.options import address_options, config_db_option, on_interrupt, stop_on_signals
 from stepmill.errors import ConfigError, Conflict
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 @on_interrupt("interrupted: what the runs sent is kept; run the same command again to resume")
@@ -28,12 +23,15 @@ def rollout(config_path, db, no_progress):
     from stepmill.runner.rollout import rollout as run_rollout
 
     config = load(config_path)
-    # Ctrl-C (and a plain kill) stop the runs cleanly, also where the shell started us with SIGINT ignored.
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_signals()  # the runs stop cleanly
     report = run_rollout(config, db=db, progress=not no_progress)
     click.echo(f"{report.done} runs finished ({report.failed} failed, {report.timed_out} timed out), "
                f"{report.skipped} done earlier, of {report.total}", err=True)
+    if report.left_open:
+        click.echo(f"{report.left_open} of them left open: not every call of theirs could be committed (is the "
+                   f"disk full?); what was committed is kept, and the same command runs them again", err=True)
+    if report.unscored:
+        click.echo(f"not scored: {report.unscored}; the same command scores them once the file can be written", err=True)
 
 
 @click.command()
@@ -49,7 +47,11 @@ def rollout(config_path, db, no_progress):
 @click.option("--engine", type=click.Choice(["simulated", "vllm"]), default="simulated", show_default=True,
               help="The LLM: the simulated one, or the real vLLM from .engines/vllm (`.ci/install-engines`) on a "
                    "random-weight Qwen2 model it writes.")
-def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait, engine):
+@click.option("--train", is_flag=True, help="With --engine vllm: close the loop instead (stepmill train on the "
+                                            "animals16 prompts, beside its paired control; about ten minutes).")
+@click.option("--iterations", default=10, show_default=True, type=click.IntRange(1, 200),
+              help="--train: policy versions to train.")
+def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait, engine, train, iterations):
     """The whole lifecycle offline, against a SIMULATED LLM: collect, represent, curate, optimize, consume.
 
     Starts a clearly labelled simulated LLM (real Qwen2 token ids, seeded right and wrong answers),
@@ -60,9 +62,18 @@ def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait, engine):
                if importlib.util.find_spec(name) is None]
     if missing:
         raise ConfigError(f"the demo needs {', '.join(missing)}: pip install 'stepmill[demo]'")
+    stop_on_signals()  # a plain kill stops the simulated LLM, proxy and UI too
+    if train:
+        if engine != "vllm":
+            raise ConfigError("--train closes the loop on the real engine: add --engine vllm")
+        from stepmill.demo.training import run_training_demo
+
+        given = click.get_current_context().get_parameter_source("tasks") != click.core.ParameterSource.DEFAULT
+        run_training_demo(Path(folder), tasks=min(tasks, 16) if given else 4, n=rollouts, iterations=iterations,
+                          concurrency=concurrency, ui=not no_ui, wait=not no_wait, ui_port=ui_port)
+        return
     from stepmill.demo.main import run_demo
 
-    signal.signal(signal.SIGTERM, _interrupt)  # a plain kill stops the simulated LLM, proxy and UI too
     run_demo(Path(folder), n=rollouts, tasks=tasks, concurrency=concurrency, ui=not no_ui, wait=not no_wait,
              ui_port=ui_port, engine=engine)
 
@@ -72,7 +83,8 @@ def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait, engine):
 @click.option("--base-url", default="http://127.0.0.1:8000/v1", show_default=True,
               help="The LLM endpoint the agents use (a vLLM server, an API, `stepmill simulate-llm`).")
 @click.option("--model", default="default", show_default=True)
-@click.option("--recipes", is_flag=True, help="Also define the Claude Code, Codex and mini-swe-agent agents.")
+@click.option("--recipes", is_flag=True, help="Also define the agent CLIs of stepmill/data/agent-recipes.toml: Claude Code, "
+              "Codex, mini-swe-agent, Qwen Code, OpenCode, Aider and Gemini CLI.")
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
 def init(path, base_url, model, recipes, force):
     """Write a commented example rollout configuration (agents, dataset, route, run, rewards)."""

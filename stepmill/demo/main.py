@@ -22,6 +22,7 @@ from pathlib import Path
 
 from stepmill.children import die_with_parent, free_port
 from stepmill.errors import ConfigError
+from stepmill.private_files import private_dir, private_opener
 from stepmill.simulated_llm import LABEL, MODEL
 
 REAL_LLM_LINE = 'base_url = "http://your-vllm-host:8000/v1"   # in [route] of {config}'
@@ -65,19 +66,26 @@ ENGINES = ("simulated", "vllm")
 VLLM_MODEL = "qwen2-tiny-random"
 
 # A Qwen2-architecture model with random weights and the real Qwen2 vocabulary: it loads in seconds
-# on a CPU and gives random text, but every id, logprob and template is the engine's own.
+# on a CPU and gives random text (a warm-started one, word lists), but every id, logprob and template is
+# the engine's own.
 # (vLLM's CPU attention takes head_dim 64: hidden 128 over 2 heads.)
 _WRITE_MODEL = r"""
 import shutil, sys
 from pathlib import Path
 import torch
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
-out, tokenizer, max_new_tokens = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+out, tokenizer, max_new_tokens, tied = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
 torch.manual_seed(0)
 config = Qwen2Config(vocab_size=151936, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32768,
-                     tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
-Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(out)
+                     tie_word_embeddings=tied, bos_token_id=151643, eos_token_id=151645)
+model = Qwen2ForCausalLM(config).to(torch.float32)
+if len(sys.argv) > 5:  # a warm start (stepmill.demo.warm_start): its spec, and the code that trains on it
+    import json
+    spec = json.loads(Path(sys.argv[5]).read_text())
+    exec(spec.pop("train"))
+    print("warm start: final loss", warm_start(model, spec))
+model.save_pretrained(out)
 GenerationConfig(bos_token_id=151643, eos_token_id=151645, max_new_tokens=max_new_tokens).save_pretrained(out)
 for name in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(tokenizer / name, out / name)
@@ -91,12 +99,26 @@ def vllm_python() -> Path | None:
     return path if path.exists() else None
 
 
-def write_random_qwen2(folder: Path, tokenizer: Path, *, python: Path, max_new_tokens: int = 64) -> Path:
+def write_random_qwen2(folder: Path, tokenizer: Path, *, python: Path, max_new_tokens: int = 64,
+                       tied: bool = True, warm_start: bool = False) -> Path:
     """Write the random-weight Qwen2 model (config, weights, tokenizer) into ``folder`` with the engine's
-    own transformers. ``max_new_tokens`` is the engine's default max_tokens for calls that set none."""
+    own transformers. ``max_new_tokens`` is the engine's default max_tokens for calls that set none;
+    ``tied`` shares lm_head with the input embedding, as Qwen2-0.5B and 1.5B do; ``warm_start`` trains it
+    first into the base a training run starts from (stepmill.demo.warm_start: under a minute). A folder
+    already written is reused when it is the same kind (warm-started or not)."""
     folder = Path(folder)
-    if not (folder / "model.safetensors").exists():
-        done = subprocess.run([str(python), "-c", _WRITE_MODEL, str(folder), str(tokenizer), str(max_new_tokens)],
+    spec = folder.parent / f"{folder.name}.warm-start.json"
+    if not (folder / "model.safetensors").exists() or warm_start != spec.exists():
+        spec.unlink(missing_ok=True)
+        extra = []
+        if warm_start:
+            from stepmill.demo import warm_start as warm
+
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            spec.write_text(json.dumps({**warm.spec(tokenizer), "train": warm.TRAIN}))
+            extra = [str(spec)]
+        done = subprocess.run([str(python), "-c", _WRITE_MODEL, str(folder), str(tokenizer), str(max_new_tokens),
+                               "1" if tied else "0", *extra],
                               capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         if done.returncode != 0:
             raise RuntimeError(f"could not write the model into {folder}:\n{done.stderr[-3000:]}")
@@ -104,20 +126,40 @@ def write_random_qwen2(folder: Path, tokenizer: Path, *, python: Path, max_new_t
 
 
 class VLLMServer:
-    """`python -m vllm.entrypoints.openai.api_server` from the engine venv, on a local port."""
+    """`python -m vllm.entrypoints.openai.api_server` from the engine venv, on a local port.
+
+    For a trainer that syncs weights in place (stepmill.train.engine_sync): ``dev_mode`` opens vLLM's
+    admin routes (/pause, /collective_rpc, ...: engine_sync.ADMIN_ROUTES, which no agent may reach),
+    ``worker_extension`` adds stepmill's reload that keeps tied embeddings tied, ``enable_lora`` serves
+    adapters loaded at run time (/v1/load_lora_adapter) up to rank ``max_lora_rank``."""
 
     def __init__(self, model_dir: Path, log: Path, *, python: Path, name: str = VLLM_MODEL, port: int | None = None,
-                 max_model_len: int = 32768, extra: tuple[str, ...] = ()):
+                 max_model_len: int = 32768, extra: tuple[str, ...] = (), dev_mode: bool = False,
+                 worker_extension: bool = False, enable_lora: bool = False, max_lora_rank: int = 16):
         self.model_dir, self.log, self.name = Path(model_dir), Path(log), name
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.root = f"http://127.0.0.1:{self.port}"  # the admin routes live beside /v1, not under it
         env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
         env.update(VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"), HF_HUB_OFFLINE="1",
                    TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
                    "--port", str(self.port), "--model", str(self.model_dir), "--served-model-name", name,
                    "--dtype", "float32", "--max-model-len", str(max_model_len), "--seed", "0",
-                   "--enable-auto-tool-choice", "--tool-call-parser", "hermes", *extra]
+                   "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        if dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        if worker_extension:
+            from stepmill.train import vllm_worker
+
+            # a folder holding only the extension: the engine imports nothing else of stepmill
+            folder, qualname = vllm_worker.install(self.log.parent / "worker-extension")
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), env.get("PYTHONPATH", "")) if p)
+            command += ["--worker-extension-cls", qualname]
+        if enable_lora:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+            command += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
+        command += list(extra)
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                             preexec_fn=die_with_parent, start_new_session=True)
@@ -147,9 +189,12 @@ class VLLMServer:
 
 
 def start_vllm(folder: Path, *, tokenizer: Path | None = None, python: Path | None = None, name: str = VLLM_MODEL,
-               max_new_tokens: int = 64, timeout: float = 600) -> VLLMServer:
+               max_new_tokens: int = 64, timeout: float = 600, tied: bool = True, warm_start: bool = False,
+               dev_mode: bool = False, worker_extension: bool = False, enable_lora: bool = False,
+               max_lora_rank: int = 16) -> VLLMServer:
     """Write the random Qwen2 model into ``folder``/model and serve it with the real vLLM (about two
-    minutes to ready on two cores). ConfigError with the install command when the engine is missing."""
+    minutes to ready on two cores). ConfigError with the install command when the engine is missing.
+    ``tied``, ``warm_start`` and the server's options as in write_random_qwen2 and VLLMServer."""
     python = python or vllm_python()
     if python is None:
         raise ConfigError(f"vLLM is not installed: run {ENGINE_INSTALL} (it makes .engines/vllm, about 6 GB)")
@@ -159,8 +204,10 @@ def start_vllm(folder: Path, *, tokenizer: Path | None = None, python: Path | No
         tokenizer = default_folder()
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    model = write_random_qwen2(folder / "model", tokenizer, python=python, max_new_tokens=max_new_tokens)
-    server = VLLMServer(model, folder / "vllm.log", python=python, name=name)
+    model = write_random_qwen2(folder / "model", tokenizer, python=python, max_new_tokens=max_new_tokens, tied=tied,
+                               warm_start=warm_start)
+    server = VLLMServer(model, folder / "vllm.log", python=python, name=name, dev_mode=dev_mode,
+                        worker_extension=worker_extension, enable_lora=enable_lora, max_lora_rank=max_lora_rank)
     try:
         return server.wait(timeout)
     except BaseException:
@@ -178,7 +225,6 @@ ISOLATION_SAYS = {
 
 def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6, ui: bool = True,
              wait: bool = True, ui_port: int | None = None, engine: str = "simulated") -> dict:
-    from stepmill.private_files import private_dir, private_opener
     from stepmill.qwen_vocab import default_folder
     from stepmill.runner.config import load
     from stepmill.runner.isolation import resolve as resolve_isolation
@@ -313,16 +359,8 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
 
         if ui:
             say("review", "the Datasette UI on the result")
-            ui_port = ui_port or free_port()
-            ui_log = folder / "ui.log"
-            with open(ui_log, "wb", opener=private_opener) as out_log:  # it holds the root sign-in link
-                children.append(subprocess.Popen([sys.executable, "-m", "stepmill.cli", "ui", "--db", str(db),
-                                                  "--port", str(ui_port)], stdout=out_log, stderr=subprocess.STDOUT,
-                                                 preexec_fn=die_with_parent))
-            home = f"http://127.0.0.1:{ui_port}"
-            _wait_for(f"{home}/-/stepmill/lifecycle", children[-1], "the UI", ui_log)
+            home, sign_in = start_ui(folder, db, ui_port, children)
             summary["ui"] = home
-            sign_in = _sign_in_link(ui_log)
             if sign_in:
                 info(f"sign in first — nothing is served without it, on localhost too (yours only): {sign_in}")
             info(f"lifecycle: {home}/-/stepmill/lifecycle")
@@ -338,11 +376,7 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
         info(f"then: stepmill rollout {config_path} --db {db}")
         (folder / "summary.json").write_text(json.dumps(summary, indent=2))
         if ui and wait:
-            info("the UI keeps serving; Ctrl-C to stop")
-            try:
-                children[-1].wait()
-            except KeyboardInterrupt:
-                pass
+            keep_serving(children[-1])
         return summary
     finally:
         for server in servers:
@@ -353,6 +387,28 @@ def run_demo(folder: Path, *, n: int = 4, tasks: int = 20, concurrency: int = 6,
                 child.wait(10)
             except subprocess.TimeoutExpired:
                 child.kill()
+
+
+def keep_serving(ui: subprocess.Popen) -> None:
+    """The demo's UI serves until Ctrl-C."""
+    info("the UI keeps serving; Ctrl-C to stop")
+    try:
+        ui.wait()
+    except KeyboardInterrupt:
+        pass
+
+
+def start_ui(folder: Path, db: Path, port: int | None, children: list) -> tuple[str, str | None]:
+    """`stepmill ui` on the demo's file (appended to ``children``): its address and the root sign-in link."""
+    port = port or free_port()
+    log = folder / "ui.log"
+    with open(log, "wb", opener=private_opener) as out:  # it holds the root sign-in link
+        children.append(subprocess.Popen([sys.executable, "-m", "stepmill.cli", "ui", "--db", str(db),
+                                          "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                         preexec_fn=die_with_parent))
+    home = f"http://127.0.0.1:{port}"
+    _wait_for(f"{home}/-/stepmill/lifecycle", children[-1], "the UI", log)
+    return home, _sign_in_link(log)
 
 
 def _sign_in_link(log: Path, timeout: float = 5) -> str | None:

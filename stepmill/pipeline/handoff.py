@@ -50,7 +50,8 @@ class Handoff:
         self.notify = notify  # called after appends: wakes the writer
         self.memory_limit = memory_limit
         self.queue: collections.deque = collections.deque()
-        self.memory = 0
+        self.memory = 0  # bytes waiting: added on the loop, taken off on the handoff thread, under _bound
+        self._bound = threading.Lock()
         self.dropped = 0
         self.appended = 0
         self.failing: str | None = None  # why the journal does not take appends now
@@ -65,47 +66,74 @@ class Handoff:
         """On the event loop: O(1), no I/O."""
         limit = record.max_body or None  # what is kept of a larger body: never dropped for its size
         size = sum(min(len(b), limit) if limit else len(b) for b in blobs)
-        if self.memory + size > self.memory_limit:
-            self.dropped += 1  # the journal has refused appends for long: memory is the last bound
+        with self._bound:
+            over = self.memory + size > self.memory_limit
+            if not over:
+                self.memory += size
+        if over:  # the journal has refused appends for long: memory is the last bound
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 100 == 0:
+                log.error(f"stepmill: {self.dropped} call(s) dropped: the journal takes no appends "
+                          f"({self.failing}) and {self.memory} bytes wait in memory already")
             return
-        self.memory += size
         self.queue.append((record, blobs, size))
         self._wake.set()
 
     def _run(self) -> None:
         while True:
-            self._wake.wait(RETRY_WAIT if self.failing else None)
-            self._wake.clear()
-            while self.queue:
-                batch = list(itertools.islice(self.queue, 256))  # the loop only appends on the right
-                # Secrets never reach the disk, the journal included (a few ms per MB, off the loop).
-                data = []
-                for record, blobs, _ in batch:
-                    cleaned, kept = self.clean(record, blobs)
-                    data += cleaned.entry_parts(kept)
-                try:
-                    self.journal.append(data)  # one write() for the batch
-                except OSError as exc:
-                    if self.failing is None:
-                        log.warning(f"stepmill: the journal takes no appends ({exc}); calls wait in memory")
-                    self.failing = str(exc)
-                    break
-                if self.failing is not None:
-                    log.warning("stepmill: the journal takes appends again")
-                    self.failing = None
-                now = time.time()
-                for record, _, size in batch:
-                    self.queue.popleft()
+            try:
+                if self._pass():
+                    return
+            except Exception:  # never ends silently: every later call would stay in memory only
+                log.exception("stepmill: the handoff failed; it goes on")
+                time.sleep(RETRY_WAIT)
+
+    def _pass(self) -> bool:
+        """One wake-up's work; True once stopped with nothing left."""
+        self._wake.wait(RETRY_WAIT if self.failing else None)
+        self._wake.clear()
+        while self.queue:
+            batch = list(itertools.islice(self.queue, 256))  # the loop only appends on the right
+            # Secrets never reach the disk, the journal included (a few ms per MB, off the loop).
+            data = []
+            for record, blobs, _ in batch:
+                cleaned, kept = self.clean_or_keep(record, blobs)
+                data += cleaned.entry_parts(kept)
+            try:
+                self.journal.append(data)  # one write() for the batch
+            except OSError as exc:
+                if self.failing is None:
+                    log.warning(f"stepmill: the journal takes no appends ({exc}); calls wait in memory")
+                self.failing = str(exc)
+                break
+            if self.failing is not None:
+                log.warning("stepmill: the journal takes appends again")
+                self.failing = None
+            now = time.time()
+            for record, _, size in batch:
+                self.queue.popleft()
+                with self._bound:
                     self.memory -= size
-                    self.delays.append(now - (record.ended or now))
-                self.appended += len(batch)
-                # One wake-up per BATCH_WAIT is enough: a woken writer waits that long before it reads
-                # the journal, so it also sees what was appended since.
-                if time.monotonic() - self._notified >= BATCH_WAIT or self._stop:
-                    self._notified = time.monotonic()
-                    self.notify()
-            if self._stop and not self.queue:
-                return
+                self.delays.append(now - (record.ended or now))
+            self.appended += len(batch)
+            # One wake-up per BATCH_WAIT is enough: a woken writer waits that long before it reads
+            # the journal, so it also sees what was appended since.
+            if time.monotonic() - self._notified >= BATCH_WAIT or self._stop:
+                self._notified = time.monotonic()
+                self.notify()
+        return self._stop and not self.queue
+
+    @classmethod
+    def clean_or_keep(cls, record: CallRecord, blobs: list) -> tuple[CallRecord, list[bytes]]:
+        """``clean``; should it fail, the call is kept all the same, without its bodies (nothing
+        unredacted reaches the disk), and its record says why: the writer stores it as an error step."""
+        try:
+            return cls.clean(record, blobs)
+        except Exception as exc:
+            log.exception(f"stepmill: could not clean a call to {record.call.host}{record.call.path}; kept without bodies")
+            note = f"stepmill could not clean this call for recording ({type(exc).__name__}); its bodies were not kept"
+            return redact_record(dataclasses.replace(record, error=note, notes=list(record.notes) + [note])), \
+                [b"" for _ in blobs[:2]]
 
     @staticmethod
     def clean(record: CallRecord, blobs: list) -> tuple[CallRecord, list[bytes]]:

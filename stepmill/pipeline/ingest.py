@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from stepmill.errors import StoreUnavailable
 from stepmill.store import Store
-from stepmill.protocols import ROUTES, Completion, ParsedRequest, ProtocolError
+from stepmill.protocols import MODULES, Completion, ParsedRequest, ProtocolError
 from stepmill.protocols import openai_responses
 from stepmill.protocols.base import load_json_object
 from stepmill.protocols.streams import assemble, decode_kept
@@ -22,7 +22,6 @@ from stepmill.pipeline import engine_render
 from stepmill.pipeline import recording
 from stepmill.pipeline.call_record import Call, CallRecord
 
-MODULES = {api: module for _, api, module in ROUTES}
 
 
 def decoded(raw: bytes, content_encoding: str | None) -> tuple[bytes, str | None]:
@@ -86,6 +85,8 @@ class Ingest:
             parse_error = None  # a refused upgrade: the GET has no body to parse
         elif not problem:
             request, _, parse_error = recording.parse_request(module, call.api, request_body)
+            if request is not None and hasattr(module, "from_path"):  # a protocol that names the model in the path
+                module.from_path(request, call.path)
         notes = list(record.notes)
         error = record.error
         ttft = None
@@ -120,7 +121,7 @@ class Ingest:
                 completion = Completion(status="error", error=problem)
             else:
                 try:
-                    payload = load_json_object(body, "response body")
+                    payload = getattr(module, "load_response", load_json_object)(body, "response body")
                 except ProtocolError as exc:
                     completion = Completion(status="error", error=str(exc))
                 else:

@@ -1,5 +1,5 @@
 """Off the event loop, on a thread of its own: what other processes change in the database that the
-proxy must know at once — the policy version (``stepmill policy-version``) and newly registered runs.
+proxy must know at once — the policy version (``stepmill policy-version``) and newly registered (or revoked) runs.
 
 The watch owns a read-only store and looks at its ``data_version`` (which changes when another
 connection commits); only then does it read, and it reports through the callbacks it was given.
@@ -43,18 +43,25 @@ class StateWatch:
     def _read(self) -> None:
         self.on_policy_version(self.store.policy_version())
         for row in self.store.registered_runs(self.seen_rowid):
-            self.on_run(Run(row["trajectory_id"], row["group_id"], row["channel"], row["secret_hash"], row["rowid"]))
+            self.on_run(Run(row["trajectory_id"], row["group_id"], row["channel"], row["secret_hash"], row["rowid"],
+                            revoked=row["revoked_at"] is not None, door=row["door"], hosts=tuple(row["hosts"])))
             self.seen_rowid = row["rowid"]
 
     def _run(self) -> None:
+        failing = None
         while not self._stop.wait(self.refresh):
             try:
                 version = self.store.data_version()
                 if version != self._seen_version:
-                    self._seen_version = version
                     self._read()
-            except Exception:
-                pass  # a busy file: what was reported stands until the next look
+                    self._seen_version = version  # seen once read: a failed read is read again next time
+                if failing is not None:
+                    log.warning("stepmill: the state watch reads the database again")
+                    failing = None
+            except Exception as exc:  # a busy file: what was reported stands until the next look
+                if failing is None:
+                    log.warning(f"stepmill: the state watch cannot read the database ({exc}); it tries again")
+                failing = str(exc)
         self.store.close()
 
     def stop(self) -> None:

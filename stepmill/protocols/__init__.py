@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from types import ModuleType
 
-from stepmill.protocols import anthropic_messages, openai_chat, openai_responses, sglang_generate
+from stepmill.protocols import anthropic_messages, gemini_generate, openai_chat, openai_responses, sglang_generate
 from stepmill.protocols.base import Completion, ParsedRequest, ProtocolError
 
 # (path pattern, api name, module). Paths are matched without the query string, at the end,
@@ -15,6 +15,7 @@ ROUTES: list[tuple[re.Pattern, str, ModuleType]] = [
     (re.compile(r"/v1/completions$"), openai_chat.COMPLETIONS, openai_chat),
     (re.compile(r"/(v1|codex)/responses$"), openai_responses.API, openai_responses),
     (re.compile(r"/v1/messages$"), anthropic_messages.API, anthropic_messages),
+    (gemini_generate.PATH, gemini_generate.API, gemini_generate),
     # SGLang's native endpoint, at the server's root (Ollama's /api/generate and the like are no match);
     # recorded only on hosts the probe (or the setting) says are SGLang.
     (re.compile(r"^/generate$"), sglang_generate.API, sglang_generate),
@@ -30,4 +31,13 @@ def match(path: str) -> tuple[str, ModuleType] | None:
     return None
 
 
-__all__ = ["match", "ROUTES", "Completion", "ParsedRequest", "ProtocolError"]
+MODULES: dict[str, ModuleType] = {api: module for _, api, module in ROUTES}
+
+
+def streams_json(api: str, path: str) -> bool:
+    """True for a call whose protocol streams a JSON array, not events (Gemini's without ?alt=sse)."""
+    module = MODULES.get(api)
+    return hasattr(module, "streamed_path") and module.streamed_path(path)
+
+
+__all__ = ["match", "streams_json", "MODULES", "ROUTES", "Completion", "ParsedRequest", "ProtocolError"]

@@ -16,7 +16,8 @@ import json
 import uuid
 from typing import Any
 
-from stepmill.protocols.sse import Event
+from stepmill.protocols.openai_chat import reasoning_of
+from stepmill.protocols.via_chat import ChatStreamTranslator, error_message, tool_arguments
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
                 "abort": "end_turn"}
@@ -163,14 +164,6 @@ def _usage(usage: dict | None) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
 
 
-def _tool_input(arguments: Any) -> Any:
-    try:
-        value = json.loads(arguments or "{}")
-    except ValueError:
-        return {"_unparsed_arguments": arguments}
-    return value if isinstance(value, dict) else {"value": value}
-
-
 def chat_to_message(payload: dict, *, model: str | None, stop_sequences: list | None = None) -> dict:
     """The engine's chat answer as the Messages answer the agent expects (ids and logprobs dropped)."""
     if "choices" not in payload:
@@ -178,7 +171,7 @@ def chat_to_message(payload: dict, *, model: str | None, stop_sequences: list | 
     choice = (payload.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     content: list[dict] = []
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    reasoning = reasoning_of(message)
     if reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     if message.get("content"):
@@ -186,20 +179,20 @@ def chat_to_message(payload: dict, *, model: str | None, stop_sequences: list | 
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         content.append({"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}",
-                        "name": function.get("name"), "input": _tool_input(function.get("arguments"))})
+                        "name": function.get("name"), "input": tool_arguments(function.get("arguments"))})
     stop_reason, stop_sequence = _stop(choice, stop_sequences or [])
     return {"id": message_id(payload.get("id")), "type": "message", "role": "assistant", "model": model or payload.get("model"),
             "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": _usage(payload.get("usage"))}
 
 
+answer_of = chat_to_message  # what the proxy calls on a whole answer, whichever protocol it translates to
+
+
 def error_body(payload: Any) -> dict:
     """An engine's error in Messages' shape."""
-    error = payload.get("error") if isinstance(payload, dict) else None
-    message = (error.get("message") if isinstance(error, dict) else None) or (
-        payload.get("message") if isinstance(payload, dict) else None) or json.dumps(payload)[:2000]
-    return {"type": "error", "error": {"type": "invalid_request_error" if isinstance(error, dict) else "api_error",
-                                       "message": message}}
+    message, is_error = error_message(payload)
+    return {"type": "error", "error": {"type": "invalid_request_error" if is_error else "api_error", "message": message}}
 
 
 # -- a stream, event by event -----------------------------------------------------------------------------
@@ -208,7 +201,7 @@ def sse(kind: str, data: dict) -> bytes:
         "utf-8", "surrogatepass") + b"\n\n"
 
 
-class StreamTranslator:
+class StreamTranslator(ChatStreamTranslator):
     """Chat completion chunks in, Messages events out: one content block open at a time (thinking,
     text, or one tool_use per call index), closed when another starts and at the end."""
 
@@ -220,24 +213,11 @@ class StreamTranslator:
         self.index = -1
         self.finish: dict | None = None  # the choice that carried finish_reason
         self.usage: dict | None = None
-        self.done = False
-        self.finished = False  # the engine said the stream is whole ([DONE])
 
-    def __call__(self, event: Event) -> bytes:
-        if self.done or not event.data:
-            return b""
-        if event.data.strip() == "[DONE]":
-            self.finished = True
-            return self.close()
-        try:
-            chunk = json.loads(event.data)
-        except ValueError:
-            return b""
-        if not isinstance(chunk, dict):
-            return b""
-        if "error" in chunk and "choices" not in chunk:
-            self.done = True
-            return sse("error", error_body(chunk))
+    def on_error(self, chunk: dict) -> bytes:
+        return sse("error", error_body(chunk))
+
+    def on_chunk(self, chunk: dict) -> bytes:
         out = [self._start(chunk)] if not self.started else []
         if chunk.get("usage"):
             self.usage = chunk["usage"]
@@ -245,7 +225,7 @@ class StreamTranslator:
             if choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+            reasoning = reasoning_of(delta)
             if reasoning:
                 out.append(self._open(("thinking", None), {"type": "thinking", "thinking": "", "signature": ""}))
                 out.append(self._delta({"type": "thinking_delta", "thinking": reasoning}))

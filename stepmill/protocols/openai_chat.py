@@ -22,6 +22,11 @@ def _usage(raw):
                     cache_read=("prompt_tokens_details", "cached_tokens"))
 
 
+def reasoning_of(message: dict) -> str | None:
+    """A chat message's (or stream delta's) reasoning: vLLM and SGLang name the field either way."""
+    return message.get("reasoning_content") or message.get("reasoning")
+
+
 def canonical_message(message: dict) -> dict:
     role = message.get("role")
     role = {"developer": "system", "function": "tool"}.get(role, role)
@@ -43,7 +48,7 @@ def canonical_message(message: dict) -> dict:
         out["tool_call_id"] = message["tool_call_id"]
     if message.get("name") and role in ("tool", "user"):
         out["name"] = message["name"]
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    reasoning = reasoning_of(message)
     if reasoning:
         out["reasoning_content"] = reasoning
     return out
@@ -205,7 +210,7 @@ class StreamAssembler(DoneTerminatedStream):
                 state["text"].append(delta["content"])
                 self.output_started = True
             if not delta.keys() <= PLAIN_DELTA:  # reasoning, tool calls: not in most chunks
-                reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+                reasoning = reasoning_of(delta)
                 if reasoning:
                     state["reasoning"].append(reasoning)
                     self.output_started = True

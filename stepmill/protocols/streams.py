@@ -130,7 +130,7 @@ def _assemble_plain(assembler, raw: bytes, bounds: list, notes: list[str]) -> As
     first_output_at = None
     ends = [end for end, _ in bounds]
     try:
-        for end, name, data in events_of(raw):
+        for end, name, data in getattr(assembler, "split", events_of)(raw):  # SSE, unless the protocol says
             _feed(assembler, Event(name, data, b""), notes)
             if first_output_at is None and assembler.output_started and ends:
                 first_output_at = bounds[min(bisect.bisect_left(ends, end), len(bounds) - 1)][1]

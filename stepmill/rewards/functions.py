@@ -6,6 +6,7 @@ the configuration, and returns a score, or (score, details).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -102,3 +103,154 @@ def llm_judge(trajectory: dict, base_url: str, model: str, rubric: str, api_key_
     if not found:
         raise ValueError(f"the judge gave no score: {reply[:200]!r}")
     return max(0.0, min(1.0, float(found.group(1)) / scale)), {"judge": model, "reply": reply[:500]}
+
+
+def math_verified(trajectory: dict, answer_key: str = "answer") -> tuple[float, dict]:
+    """1.0 when math-verify finds the final answer equal to the expected one (pip install math-verify):
+    LaTeX or plain expressions, \\boxed{…} first, compared symbolically (1/2, 0.5 and \\frac{1}{2} are
+    one answer; so are x^2+1 and 1+x^2)."""
+    import threading
+
+    from math_verify import parse, verify
+
+    expected = (trajectory.get("metadata") or {}).get(answer_key)
+    if expected is None:
+        raise ValueError(f"the trajectory's metadata has no {answer_key!r}")
+    # math-verify's time limits are SIGALRM's, which only the main thread has; elsewhere it runs without
+    main = threading.current_thread() is threading.main_thread()
+    limits = {} if main else {"parsing_timeout": None}
+    gold = parse(str(expected), **limits) or parse(f"${expected}$", **limits)
+    if not gold:
+        raise ValueError(f"math-verify cannot read the expected answer {expected!r}")
+    got = parse(_final_text(trajectory), **limits)
+    match = bool(got) and verify(gold, got, **({} if main else {"timeout_seconds": None}))
+    return float(match), {"expected": str(expected), "extracted": str(got[-1]) if got else None}
+
+
+def reasoning_gym_score(trajectory: dict, key: str = "reasoning_gym", tag: str = "answer") -> tuple[float, dict]:
+    """The task's own scorer (reasoning-gym's ``score_answer``, 0..1) on the final answer: the text
+    between <answer> and </answer> (``tag``), else the last \\boxed{…}, else the whole final reply.
+    The task is made again from its settings, as the dataset made it (``stepmill.runner.datasets``)."""
+    from reasoning_gym.utils import extract_answer
+
+    made = (trajectory.get("metadata") or {}).get(key)
+    if not isinstance(made, dict):
+        raise ValueError(f"the trajectory's metadata has no {key!r} (a reasoning-gym dataset's task)")
+    dataset = _reasoning_gym_dataset(made["task"], json.dumps(made["settings"], sort_keys=True))
+    entry = dataset[made["index"]]
+    expected = (trajectory.get("metadata") or {}).get("answer")
+    if expected is not None and str(entry["answer"]) != str(expected):
+        raise ValueError(f"reasoning-gym now makes this task differently (made with {made.get('version')}): "
+                         "score with the version that made it")
+    text = _final_text(trajectory)
+    answer = extract_answer(text, tag_name=tag) if tag else None
+    if answer is None:
+        boxed = _BOXED.findall(text)
+        answer = boxed[-1] if boxed else text.strip()
+    return float(dataset.score_answer(answer, entry)), {"expected": str(entry["answer"])[:500], "extracted": answer[:500]}
+
+
+@functools.lru_cache(maxsize=32)
+def _reasoning_gym_dataset(task: str, settings: str):
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(task, **json.loads(settings))
+
+
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.S | re.I)
+
+
+def python_completion(text: str, entry_point: str) -> str:
+    """The code of a reply: the last fenced block that defines ``entry_point``, else the last fenced
+    block, else the whole reply."""
+    blocks = _FENCE.findall(text)
+    defining = [b for b in blocks if re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", b, re.M)]
+    return (defining or blocks or [text])[-1]
+
+
+def humaneval_tests(trajectory: dict, key: str = "humaneval", timeout: float = 10.0,
+                    memory_mb: int = 1024) -> tuple[float, dict]:
+    """1.0 when the final reply's function passes the task's tests, run in a sandbox of their own
+    (``python_tests.py``: never in this process, no network, limits, a temporary folder). A reply
+    with the whole function replaces the task's stub; one with only a body completes it."""
+    from stepmill.rewards.python_tests import run_tests
+
+    task = (trajectory.get("metadata") or {}).get(key)
+    if not isinstance(task, dict):
+        raise ValueError(f"the trajectory's metadata has no {key!r} (a HumanEval task)")
+    entry_point, prompt = task["entry_point"], task["prompt"]
+    code = python_completion(_final_text(trajectory), entry_point)
+    whole = re.search(rf"^\s*def\s+{re.escape(entry_point)}\s*\(", code, re.M)
+    # the task's code first (its imports and helpers), then the reply's function in place of the stub
+    source = f"{prompt}\n    pass\n\n{code}\n" if whole else prompt + code
+    passed, reason = run_tests(prompt, source, task["test"], entry_point, timeout=timeout, memory_mb=memory_mb)
+    return float(passed), {"result": reason}
+
+
+@functools.lru_cache(maxsize=1)
+def english_words() -> frozenset:
+    """The allow-list of ``letters_diverse`` (stepmill/data/english-words.toml says what it is)."""
+    import tomllib
+    from importlib import resources
+
+    text = (resources.files("stepmill") / "data" / "english-words.toml").read_text()
+    return frozenset(tomllib.loads(text)["words"].split())
+
+
+_LETTERS = re.compile(r"[A-Za-z]+")
+
+
+@functools.lru_cache(maxsize=1)
+def topic_word_lists() -> dict[str, frozenset]:
+    """The word lists of ``topic_words`` by topic (stepmill/data/topic-words.toml says what they are)."""
+    import tomllib
+    from importlib import resources
+
+    text = (resources.files("stepmill") / "data" / "topic-words.toml").read_text()
+    return {name: frozenset(words.split()) for name, words in tomllib.loads(text)["topics"].items()}
+
+
+def topic_words(trajectory: dict, topic_key: str = "topic", target: int = 16) -> tuple[float, dict]:
+    """Distinct words of the task's topic list (``metadata[topic_key]`` names one of ``topic_word_lists``)
+    over max(``target``, all the reply's words): sixteen different words of the list score 1.0 — words
+    of this list, not every animal (a zebra is not in it, and a fly or a seal in prose counts).
+
+    Words are the reply's runs of ASCII letters, lower-cased. A repeated name counts once but fills a
+    place; an off-topic word fills a place and counts nothing; padding and punctuation add no word, so no
+    trick but naming more different on-topic words raises the score."""
+    topic = (trajectory.get("metadata") or {}).get(topic_key)
+    lists = topic_word_lists()
+    if topic not in lists:
+        raise ValueError(f"the task's {topic_key!r} is {topic!r}; topics: {', '.join(sorted(lists))}")
+    words = [w.lower() for w in _LETTERS.findall(_final_text(trajectory))]
+    named = {w for w in words if w in lists[topic]}
+    return len(named) / max(target, len(words)), {"words": len(words), "on_topic": len(named)}
+
+
+def letters_diverse(trajectory: dict, target: int = 16, min_chars: int = 48, max_chars: int = 320,
+                    other_weight: float = 0.25) -> tuple[float, dict]:
+    """A reply of many different English words scores high; padding, repetition and noise do not.
+
+    ``words`` are the reply's runs of ASCII letters, lower-cased. Each distinct word has a weight:
+    1 when it is in the allow-list (``english_words``), ``other_weight`` for any other of three
+    letters or more (so a policy that starts from random weights finds some signal at once), else 0.
+    ``credit`` = Σ weight × (len + 1) over distinct words: the characters of a reply made of them alone.
+    The score is the product of four shares, each in [0, 1]:
+    coverage = min(1, Σ weight / target); distinct = distinct words / words (a repeated word lowers
+    it); purity = min(1, credit / (characters + 1)) (spaces, punctuation, other words and repeats add
+    characters, not credit); length = min(1, credit / min_chars, max_chars / characters).
+    A reply without words is 0. No share grows when anything but a new word is added, so padding
+    never raises the score."""
+    text = _final_text(trajectory)
+    words = [w.lower() for w in _LETTERS.findall(text)]
+    if not words:
+        return 0.0, {"words": 0}
+    allowed = english_words()
+    weights = {w: 1.0 if w in allowed else other_weight if len(w) >= 3 else 0.0 for w in set(words)}
+    credit = sum(weight * (len(w) + 1) for w, weight in weights.items())
+    shares = {"coverage": min(1.0, sum(weights.values()) / target), "distinct": len(weights) / len(words),
+              "purity": min(1.0, credit / (len(text) + 1)),
+              "length": min(1.0, credit / min_chars, max_chars / len(text))}
+    score = shares["coverage"] * shares["distinct"] * shares["purity"] * shares["length"]
+    known = sum(weight == 1.0 for weight in weights.values())
+    return score, {"words": len(words), "known": known, **{k: round(v, 4) for k, v in shares.items()}}

@@ -93,6 +93,8 @@ def trajectory_input(store: Store, row: dict) -> dict:
     attempt = store.registered_at(row["id"])
     if attempt is not None:  # a resumed run is scored on its latest attempt alone
         steps = [s for s in steps if (s.get("started_at") or "") >= attempt]
+    if row.get("completed_at"):  # a call that started after the run was completed is no part of it
+        steps = [s for s in steps if (s.get("started_at") or "") <= row["completed_at"]]
     steps.sort(key=lambda s: (s["step_index"] is None, s["step_index"]))
     last = steps[-1] if steps else {}
     return {"id": row["id"], "group_id": row["group_id"], "channel": row["channel"],

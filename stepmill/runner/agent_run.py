@@ -4,8 +4,11 @@ threads; a Ray rollout calls the same code from a run's task on the node (``node
 
 from __future__ import annotations
 
+import errno
 import functools
+import hashlib
 import json
+import math
 import os
 import queue
 import re
@@ -15,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +27,8 @@ from stepmill.children import die_with_parent
 from stepmill.client import ControlError, StepmillClient
 from stepmill.runner import isolation as iso
 from stepmill.runner.config import Config
+from stepmill.runner.door import Doors, Way, new_address, way_to
+from stepmill.runner.limits import CappedLog, RunGroup
 from stepmill.runner.proxy_handle import ProxyHandle, origin
 from stepmill.runner.proxy_env import trust_env
 from stepmill.tags import encode_id
@@ -40,6 +46,16 @@ class Job:
     task: dict
     trajectory: str
     group: str
+    sample: int = 0  # which of the group's n runs
+
+
+def run_seed(seed: int | None, job: Job) -> int | None:
+    """A run's sampling seed: the same for the same task and sample under the same ``[run] seed`` (a run and
+    its paired control draw alike), different across them."""
+    if seed is None:
+        return None
+    digest = hashlib.sha256(f"{seed}:{job.task['id']}:{job.sample}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
 @dataclass
@@ -62,8 +78,15 @@ class RunSite:
     @functools.cached_property
     def private(self) -> iso.Private:
         run = self.config.run
-        return iso.Private.of(db=self.proxy.db, confdir=self.proxy.confdir, dataset=self.config.datasets[run.dataset],
-                              config=str(self.config.path), runs_root=self.runs_root)
+        private = iso.Private.of(db=self.proxy.db, confdir=self.proxy.confdir, dataset=self.config.datasets[run.dataset],
+                                 config=str(self.config.path), runs_root=self.runs_root)
+        # What of a task library would give answers away (its data, its generator) is hidden too.
+        private.folders += [Path(path) for path in getattr(self.config, "library_paths", {}).get(run.dataset, [])]
+        return private
+
+    @functools.cached_property
+    def doors(self) -> Doors:
+        return Doors()
 
     def stop_all(self) -> None:
         """Runs not started yet never start; running ones are stopped, their trajectories stay open."""
@@ -97,11 +120,24 @@ def plan(config: Config) -> list[Job]:
         for agent in [config.agents[name] for name in run.agent]:
             # One group per task and agent: rollouts of one prompt by one policy loop (GRPO).
             group = f"{run.dataset}-{task['id']}" + (f"-{agent.name}" if len(run.agent) > 1 else "")
-            jobs.extend(Job(agent, task, f"{group}-{i}", group) for i in range(run.n))
+            jobs.extend(Job(agent, task, f"{group}-{i}", group, i) for i in range(run.n))
     return jobs
 
 
-def register(config: Config, client: StepmillClient, store, job: Job) -> str:
+@dataclass(frozen=True)
+class Admission:
+    """What registering a run gave: its secret, and a sandboxed run's door address (None otherwise)."""
+
+    secret: str
+    door: str | None = None
+
+
+def with_door(config: Config) -> bool:
+    """Whether runs get a network of their own, their door the only way out (sandbox, network = own)."""
+    return config.isolation.network == "own" and iso.resolve(config.isolation) == "sandbox"
+
+
+def register(config: Config, client: StepmillClient, store, job: Job) -> Admission:
     """The run's trajectory, started (or taken back) and registered: a fresh secret, its own group
     and channel. Every run is registered before any starts, so no run can claim a later one's id."""
     run = config.run
@@ -126,7 +162,17 @@ def register(config: Config, client: StepmillClient, store, job: Job) -> str:
         for step_id in store.step_ids(trajectory):
             client.review(step_id, "label", "bad", reviewer="stepmill-rollout")
     # A fresh secret per run (a rerun's replaces the old): only this run's credentials write here.
-    return client.register_run(trajectory)["secret"]
+    if not with_door(config):
+        return Admission(client.register_run(trajectory)["secret"])
+    hosts = [urllib.parse.urlsplit(config.route.base_url).netloc] if config.route.base_url else []
+    for attempt in range(20):  # a door address another live run holds is refused: another one, then
+        door = new_address()
+        try:
+            answer = client.register_run(trajectory, door=door, hosts=hosts + list(config.isolation.allow_hosts))
+            return Admission(answer["secret"], door)
+        except ControlError as exc:
+            if exc.status != 409 or attempt == 19:
+                raise
 
 
 @dataclass
@@ -136,11 +182,28 @@ class Outcome:
     committed: bool  # the proxy completed it: every call of it is in the database
 
 
-def run_one(site: RunSite, job: Job, secret: str) -> Outcome | None:
+def run_one(site: RunSite, job: Job, admission: Admission) -> Outcome | None:
     """Run the job's agent to its end or its timeout and complete its trajectory; None when the site
-    was stopped (the trajectory stays open and runs again next time)."""
+    was stopped (the trajectory stays open and runs again next time). A run that cannot start for a full
+    disk fails with the reason; the rollout goes on."""
+    try:
+        return _run_one(site, job, admission)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"stepmill: {job.trajectory} failed: {exc}", file=sys.stderr, flush=True)
+        try:
+            site.proxy.client.update_trajectory(job.trajectory, metadata={"outcome": "failed", "error": str(exc)})
+            site.proxy.client.complete_trajectory(job.trajectory)
+            return Outcome(job.trajectory, "failed", committed=True)
+        except ControlError:
+            return Outcome(job.trajectory, "failed", committed=False)
+
+
+def _run_one(site: RunSite, job: Job, admission: Admission) -> Outcome | None:
     if site.stop.is_set():
         return None
+    secret, door = admission.secret, admission.door
     config, proxy, mode = site.config, site.proxy, site.mode
     run, agent, task, trajectory, group = config.run, job.agent, job.task, job.trajectory, job.group
     public_fields = set(config.public.get(run.dataset, []))
@@ -153,9 +216,10 @@ def run_one(site: RunSite, job: Job, secret: str) -> Outcome | None:
         run_bundle = run_dir / "ca-bundle.pem"  # the run's own copy: the confdir stays hidden
         shutil.copyfile(site.bundle, run_bundle)
         os.chmod(run_bundle, 0o644)
+        seed = run_seed(run.seed, job)
         values = {"task": task["prompt"], "model": run.model, "workdir": str(workdir), "trajectory": trajectory,
                   "group": group, "base_url": config.route.base_url or "", "origin": origin(config.route.base_url),
-                  "python": sys.executable}
+                  "python": sys.executable, "seed": "" if seed is None else str(seed)}
         # No agent gets the write token; loopback LLMs go through the proxy too (no NO_PROXY).
         base = {k: v for k, v in iso.agent_environment(os.environ).items()
                 if k.lower() != "no_proxy" and k != TOKEN_ENV}
@@ -166,12 +230,14 @@ def run_one(site: RunSite, job: Job, secret: str) -> Outcome | None:
             command = [sys.executable, "-m", "stepmill.agents.whitebox", agent.entry]
             env = {**direct, **trust_env(str(run_bundle)), **agent.env,
                    "STEPMILL_ENGINE_URL": config.route.base_url, "STEPMILL_MODEL": run.model,
-                   "STEPMILL_TOKENIZER": site.white_box_tokenizer, "STEPMILL_STEPS_FD": str(steps_write)}
+                   "STEPMILL_TOKENIZER": site.white_box_tokenizer, "STEPMILL_STEPS_FD": str(steps_write),
+                   **({"STEPMILL_SEED": str(seed)} if seed is not None else {})}
             # The task as the agent may see it: its id, prompt and public fields, never the answer.
             stdin = json.dumps({k: v for k, v in task.items() if k in ("id", "prompt") or k in public_fields}).encode()
         else:
             command = [fill(part, values) for part in agent.command]
             env = {**(direct if config.route.reverse else base), **proxy.env(trajectory, secret, config.route, run_bundle),
+                   **({"STEPMILL_SEED": str(seed)} if seed is not None else {}),
                    **{name: fill(str(value), values) for name, value in agent.env.items()}}
             stdin = task["prompt"].encode() if agent.input == "stdin" else None
             if agent.input == "file":
@@ -183,8 +249,14 @@ def run_one(site: RunSite, job: Job, secret: str) -> Outcome | None:
             env["HOME"] = str(home)
         preexec = die_with_parent
         if mode == "sandbox":
-            command = iso.sandbox_command(command, run_dir=run_dir, private=site.private,
-                                          needs=[Path(site.white_box_tokenizer)] if agent.entry else [])
+            door_args, needs = None, [Path(site.white_box_tokenizer)] if agent.entry else []
+            needs += iso.module_folders(command, agent.entry, env.get("PYTHONPATH"))
+            if door is not None:  # its only ways out: the proxy (and a white-box run's engine), by its door
+                door_args, door_folder = site.doors.open(trajectory, door, ways(site, agent))
+                needs.append(door_folder)
+            command = iso.sandbox_command(command, run_dir=run_dir, private=site.private, needs=needs,
+                                          expose=config.isolation.expose, search_path=env.get("PATH"),
+                                          door=door_args, disk_mb=config.isolation.limits.disk_mb)
         elif mode == "user":
             iso.end_all(uid)  # whatever a run of this uid left behind (a killed runner's) goes first
             iso.give_to(run_dir, uid)
@@ -200,56 +272,85 @@ def run_one(site: RunSite, job: Job, secret: str) -> Outcome | None:
             print(iso.NONE_WARNING.format(trajectory=trajectory), file=sys.stderr, flush=True)
         started = time.time()
         submitted = {"steps": 0, "errors": []}
-        with open(Path(workdir, "agent.log"), "wb") as log:
-            # Its own process group: an agent CLI's own children stop with it. Everything it prints
-            # goes to its log; a white-box run's steps come on their own pipe, which its tools never inherit.
-            try:
-                process = subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                           start_new_session=True, preexec_fn=preexec,
-                                           pass_fds=(steps_write,) if steps_write is not None else ())
-            finally:
-                if steps_write is not None:
-                    os.close(steps_write)  # the run holds the only write end: its exit ends the reader
-            with site.lock:  # registered, or stopped at once: an interrupt never misses a run that just started
-                site.processes[trajectory] = process
-                site.running += 1
-                stopping = site.stop.is_set()
-            if stopping:
-                stop_group(process)
-            reader = None
-            if agent.entry:
-                reader = threading.Thread(target=submit_steps, daemon=True, args=(
-                    os.fdopen(steps_read, "rb"), proxy.client, submitted, {
-                        "trajectory_id": trajectory, "group_id": group, "channel": run.channel, "model": run.model,
-                        "metadata": {"agent": agent.name, "white_box": True}}))
-                reader.start()
-            if stdin is not None:  # fed aside, so an agent that never reads it still times out
-                threading.Thread(target=feed, args=(process.stdin, stdin), daemon=True).start()
-            outcome = "ok"
-            try:
-                process.wait(timeout=run.timeout)
-            except subprocess.TimeoutExpired:
-                stop_group(process)
-                outcome = "timeout"
-            if reader is not None:
-                reader.join(30)
-            with site.lock:
-                site.processes.pop(trajectory, None)
-                site.running -= 1
+        # Its own control group where the machine allows (processes and memory limited whole), rlimits else.
+        limited = RunGroup.make(f"stepmill-{os.path.basename(run_dir)}", config.isolation.limits)
+        enter = limited.enter
+        outer = preexec
+        preexec = lambda: (enter(), outer())  # noqa: E731  (into its group as root, before a uid change)
+        # Everything it prints goes to its log, capped (head and tail kept); a white-box run's steps come
+        # on their own pipe, which its tools never inherit.
+        log = CappedLog(Path(workdir, "agent.log"), config.isolation.limits.log_kb * 1024)
+        # Its own process group: an agent CLI's own children stop with it.
+        try:
+            process = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT,
+                                       stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                       start_new_session=True, preexec_fn=preexec,
+                                       pass_fds=(steps_write,) if steps_write is not None else ())
+        except BaseException:
+            log.follow(_Empty())
+            limited.remove()
+            raise
+        finally:
+            if steps_write is not None:
+                os.close(steps_write)  # the run holds the only write end: its exit ends the reader
+        log.follow(process.stdout)
+        with site.lock:  # registered, or stopped at once: an interrupt never misses a run that just started
+            site.processes[trajectory] = process
+            site.running += 1
+            stopping = site.stop.is_set()
+        if stopping:
+            stop_group(process)
+        reader = None
+        if agent.entry:
+            reader = threading.Thread(target=submit_steps, daemon=True, args=(
+                os.fdopen(steps_read, "rb"), proxy.client, submitted, {
+                    "trajectory_id": trajectory, "group_id": group, "channel": run.channel, "model": run.model,
+                    "metadata": {"agent": agent.name, "white_box": True}}))
+            reader.start()
+        if stdin is not None:  # fed aside, so an agent that never reads it still times out
+            threading.Thread(target=feed, args=(process.stdin, stdin), daemon=True).start()
+        outcome = "ok"
+        try:
+            process.wait(timeout=run.timeout)
+        except subprocess.TimeoutExpired:
+            stop_group(process)
+            outcome = "timeout"
+        if reader is not None:
+            reader.join(30)
+        submitted["closed"] = True  # a line something of the run writes later is not taken
+        hit = limited.hit()
+        limited.remove()  # what is left of the run (a user-mode daemon) is killed with its group
+        log.wait(10)  # a leftover holding its output keeps the log's thread, not the runner
+        with site.lock:
+            site.processes.pop(trajectory, None)
+            site.running -= 1
     finally:
         if mode == "user":
             iso.end_all(uid)  # nothing of this run lives on to meet the next run of its uid
         site.slots.put(slot)  # a run that failed to start frees its uid too
+        if door is not None:
+            site.doors.close(trajectory)
+        # Ended, failed, timed out or stopped: whatever the run left behind writes nothing more with its
+        # secret (a rerun is registered with a new one).
+        revoke(proxy.client, trajectory)
     if site.stop.is_set():
         return None  # interrupted: the trajectory stays open and runs again next time
     if outcome == "ok" and (process.returncode != 0 or submitted["errors"]):
         outcome = "failed"
-    proxy.client.update_trajectory(trajectory, metadata={
-        "exit_status": process.returncode, "outcome": outcome, "duration_s": round(time.time() - started, 3),
-        "workdir": str(workdir), "isolation": mode,
-        **({"submitted_steps": submitted["steps"]} if agent.entry else {}),
-        **({"submit_errors": submitted["errors"][:5]} if submitted["errors"] else {})})
+    try:
+        proxy.client.update_trajectory(trajectory, metadata={
+            "exit_status": process.returncode, "outcome": outcome, "duration_s": round(time.time() - started, 3),
+            "workdir": str(workdir), "isolation": mode, "limits": limited.record(),
+            **({"limits_hit": hit} if hit else {}),
+            **({"output_cut_bytes": log.cut} if log.cut else {}),
+            **({"log_error": log.error} if log.error else {}),
+            **({"submitted_steps": submitted["steps"]} if agent.entry else {}),
+            **({"submit_errors": submitted["errors"][:5]} if submitted["errors"] else {})})
+    except ControlError as exc:  # a full disk under the database: the run's record waits, the rollout goes on
+        if exc.status != 503:
+            raise
+        print(f"stepmill: {trajectory}: its outcome could not be recorded: {exc.message}", file=sys.stderr, flush=True)
     # The proxy completes a run only once every call of it is committed: rewards then see every step.
     for attempt in range(5):
         try:
@@ -261,6 +362,51 @@ def run_one(site: RunSite, job: Job, secret: str) -> Outcome | None:
             print(f"stepmill: {trajectory}: {exc.message}", file=sys.stderr, flush=True)
     print(f"stepmill: {trajectory} stays open: its calls were not committed in time", file=sys.stderr)
     return Outcome(trajectory, outcome, committed=False)
+
+
+class _Empty:
+    """The output of a run that never started."""
+
+    def read1(self, size: int) -> bytes:
+        return b""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def revoke(client: StepmillClient, trajectory: str) -> None:
+    for attempt in range(5):
+        try:
+            client.revoke_run(trajectory)
+            return
+        except ControlError as exc:
+            if exc.status != 503:
+                raise
+        except OSError:
+            time.sleep(1)
+    print(f"stepmill: {trajectory}: its revocation could not be recorded (the proxy refuses its secret all the "
+          f"same while it runs); its late calls stay out of the gate", file=sys.stderr, flush=True)
+
+
+def ways(site: RunSite, agent) -> list[Way]:
+    """What a sandboxed run reaches through its door: the proxy (its reverse listener too), and a
+    white-box run's engine (straight, admin routes refused). Each on the port its URL names, on the
+    run's own loopback: the URLs it was given work unchanged."""
+    proxy = site.proxy
+    found = [way_to(proxy.url)]
+    if proxy.reverse_url:
+        found.append(way_to(proxy.reverse_url))
+    if agent.entry:
+        found.append(way_to(site.config.route.base_url, http_gate=True))
+    for way in found:
+        if way.host not in ("127.0.0.1", "localhost"):
+            raise iso.IsolationError(f"isolation = sandbox with network = own reaches the proxy and the engine on "
+                                     f"this machine's loopback only, not {way.host}: set [isolation] network = "
+                                     f"\"host\"")
+    return found
 
 
 PLACEHOLDER = re.compile(r"\{(task|model|workdir|trajectory|group|base_url|origin|python)\}")
@@ -282,15 +428,24 @@ def feed(pipe, data: bytes) -> None:
 def submit_steps(stream, client: StepmillClient, submitted: dict, tags: dict) -> None:
     """A white-box run's steps, one JSON line each on its own pipe, submitted with the runner's
     credential as they come. Of each line only the ids and what the engine said are taken."""
+    floor = time.time()  # a generation began after the run started, and after the line before it came
     with stream:
         for index, line in enumerate(stream):
+            if submitted.get("closed"):
+                break
             try:
                 step = json.loads(line)
                 if not isinstance(step, dict):
                     raise ValueError("a step is a JSON object")
                 reported = {name: step[name] for name in WHITE_BOX_FIELDS if step.get(name) is not None}
                 first = {"parent_step_id": None} if index == 0 else {}  # a root, even after a cut-short run
-                client.submit_step(**reported, **tags, **first, step_index=index)
+                # when the generation began, as the agent says, held inside what the runner saw
+                now = time.time()
+                started = step.get("started_at")
+                started = (min(max(float(started), floor), now)
+                           if isinstance(started, (int, float)) and math.isfinite(started) else floor)
+                floor = now
+                client.submit_step(**reported, **tags, **first, step_index=index, started_at=started)
                 submitted["steps"] += 1
             except (ValueError, ControlError) as exc:
                 submitted["errors"].append(f"step {index}: {exc}")

@@ -25,8 +25,19 @@
     public = ["difficulty"]                   # task fields shown with the trajectory; all others but
                                               # id and prompt are for scoring only (answers, tests)
 
+    [[dataset]]                               # or made by a library (datasets.py): instead of path,
+    name = "chain"
+    source = "reasoning-gym:chain_sum"        # reasoning-gym:<task> | humaneval
+    size = 64                                 # how many tasks
+    seed = 7                                  # which ones
+    options = { min_terms = 2 }               # the task's own settings (reasoning-gym)
+
     [isolation]                               # how runs are kept from the runner's files (stepmill/isolation.py)
     mode = "auto"                             # auto | sandbox | user | container | none
+    expose = ["/srv/repo"]                    # sandbox: more it sees, read-only ({ path, writable = true })
+    network = "own"                           # sandbox: own (its only way out is the proxy) | host
+    allow_hosts = ["pypi.org"]                # sandbox: reachable through the proxy besides the LLM
+    limits = { pids = 1024, memory_mb = 4096, log_kb = 1024 }  # per run (limits.py)
 
     [run]
     agent = "tool-loop"
@@ -58,6 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stepmill.errors import ConfigError
+from stepmill.runner import datasets as sources
 from stepmill.runner.isolation import MODES, Isolation
 
 
@@ -89,6 +101,7 @@ class Run:
     channel: str = "train"
     model: str = "default"
     policy_version: str | None = None
+    seed: int | None = None  # sampling: each run gets {seed} (and STEPMILL_SEED) from this, its task and sample
     executor: str = "local"  # local | ray
     ray_address: str | None = None  # the Ray cluster (None: ray.init()'s own choice, a running one or a new local one)
     runs_per_node: int | None = None  # Ray: concurrent runs on each node (default: concurrency)
@@ -110,6 +123,9 @@ class Config:
     route: Route = field(default_factory=Route)
     public: dict = field(default_factory=dict)  # dataset name -> task fields shown with trajectories
     isolation: Isolation = field(default_factory=Isolation)
+    # dataset name -> folders of the library that made it (its data, or code that makes every answer
+    # again): no run needs them, and a run that reads them has the answers
+    library_paths: dict = field(default_factory=dict)
 
     def tasks(self, dataset: str) -> list[dict]:
         """The dataset's tasks, each with an ``id`` and a ``prompt`` (JSONL, or Parquet with pyarrow)."""
@@ -141,15 +157,17 @@ class Config:
 
 
 SECTIONS = {"proxy": {"url", "db", "confdir", "args"}, "agent": set(Agent.__dataclass_fields__),
-            "dataset": {"name", "path", "public"}, "route": set(Route.__dataclass_fields__),
+            "dataset": {"name", "path", "public", *sources.SOURCE_KEYS}, "route": set(Route.__dataclass_fields__),
             "isolation": set(Isolation.__dataclass_fields__),
-            "run": set(Run.__dataclass_fields__), "reward": None}
+            "run": set(Run.__dataclass_fields__), "reward": None,
+            "train": None}  # [train]: read by stepmill.train.config
 
 
-def _line_of(text: str, section: str, key: str | None) -> int:
-    """The line of ``key`` in the (first matching) ``[section]`` / ``[[section]]``, or of the section."""
+def _line_of(text: str, section: str, key: str | None, index: int = 0) -> int:
+    """The line of ``key`` in the ``index``-th ``[section]`` / ``[[section]]``, or of the section."""
     lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if re.match(rf"^\s*\[\[?{re.escape(section)}\]\]?\s*$", line)), None)
+    starts = [i for i, line in enumerate(lines) if re.match(rf"^\s*\[\[?{re.escape(section)}\]\]?\s*$", line)]
+    start = starts[min(index, len(starts) - 1)] if starts else None
     if start is None:
         return 1
     if key is None:
@@ -172,7 +190,9 @@ def dataset_path(value: str, base: Path) -> str:
 
         bundled = resources.files("stepmill") / "data" / f"{value[len(BUNDLED):]}.jsonl"
         if not bundled.is_file():
-            raise ConfigError(f"{value}: no bundled dataset of that name (there is stepmill:arith20)")
+            names = sorted(f"{BUNDLED}{p.name[:-6]}" for p in (resources.files("stepmill") / "data").iterdir()
+                           if p.name.endswith(".jsonl"))
+            raise ConfigError(f"{value}: no bundled dataset of that name (there are {', '.join(names)})")
         return str(bundled)
     return str((base / os.path.expanduser(value)).resolve())
 
@@ -213,18 +233,18 @@ def load(path: str | Path) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 
-    def fail(section, key, message):
-        raise ConfigError(f"{path}:{_line_of(text, section, key)}: {section}{'.' + key if key else ''}: {message}")
+    def fail(section, key, message, index=0):
+        raise ConfigError(f"{path}:{_line_of(text, section, key, index)}: {section}{'.' + key if key else ''}: {message}")
 
     for name in data:
         if name not in SECTIONS:
             fail(name, None, f"unknown section; expected some of {', '.join(sorted(SECTIONS))}")
     for section, keys in SECTIONS.items():
         entries = data.get(section, [])
-        for entry in entries if isinstance(entries, list) else [entries]:
+        for index, entry in enumerate(entries if isinstance(entries, list) else [entries]):
             for key in entry if keys is not None else []:
                 if key not in keys:
-                    fail(section, key, f"unknown key; expected some of {', '.join(sorted(keys))}")
+                    fail(section, key, f"unknown key; expected some of {', '.join(sorted(keys))}", index)
     agents = {}
     for entry in data.get("agent", []):
         command = entry.get("command")
@@ -243,14 +263,28 @@ def load(path: str | Path) -> Config:
         if not isinstance(entry.get("env", {}), dict):
             fail("agent", "env", "must be a table")
         agents[entry["name"]] = Agent(**entry)
-    datasets, publics = {}, {}
-    for entry in data.get("dataset", []):
-        if not isinstance(entry.get("name"), str) or not isinstance(entry.get("path"), str):
-            fail("dataset", None, "name and path (strings) are required")
-        datasets[entry["name"]] = dataset_path(entry["path"], path.parent)
+    datasets, publics, library_paths = {}, {}, {}
+    for index, entry in enumerate(data.get("dataset", [])):
+        def fail_here(key, message, index=index):
+            fail("dataset", key, message, index)
+
+        if not isinstance(entry.get("name"), str):
+            fail_here("name", "a string is required")
+        if ("path" in entry) == ("source" in entry):
+            fail_here(None, f"{entry['name']!r}: give either path (a file) or source (a library's tasks)")
+        if "path" in entry:
+            if not isinstance(entry["path"], str):
+                fail_here("path", "a string is required")
+            for key in sorted(sources.SOURCE_KEYS & set(entry)):
+                fail_here(key, "applies to a source, not a path")
+            datasets[entry["name"]] = dataset_path(entry["path"], path.parent)
+        else:
+            sources.check(entry, fail_here)
+            datasets[entry["name"]] = sources.materialise(entry, fail_here)
+            library_paths[entry["name"]] = sources.library_paths(entry["source"])
         public = entry.get("public", [])
         if not (isinstance(public, list) and all(isinstance(p, str) for p in public)):
-            fail("dataset", "public", "a list of task field names is required")
+            fail_here("public", "a list of task field names is required")
         publics[entry["name"]] = public
     run = data.get("run")
     if not isinstance(run, dict):
@@ -274,6 +308,8 @@ def load(path: str | Path) -> Config:
         fail("run", "timeout", "a positive number of seconds is required")
     if "policy_version" in run:
         run["policy_version"] = str(run["policy_version"])
+    if "seed" in run and (isinstance(run["seed"], bool) or not isinstance(run["seed"], int) or run["seed"] < 0):
+        fail("run", "seed", "a non-negative integer is required")
     _check_executor(run, data, fail)
     route = data.get("route", {})
     if "base_url" in route and not (isinstance(route["base_url"], str)
@@ -310,4 +346,4 @@ def load(path: str | Path) -> Config:
     if isolation.get("mode") == "container" and "prefix" not in isolation:
         fail("isolation", "prefix", "mode = container needs the container command as prefix")
     return Config(path, agents, datasets, Run(**run), data.get("proxy", {}), bool(data.get("reward")),
-                  Route(**route), publics, Isolation(**isolation))
+                  Route(**route), publics, Isolation(**isolation), library_paths=library_paths)

@@ -37,6 +37,8 @@ class Report:
     failed: int = 0
     timed_out: int = 0
     running: int = 0
+    left_open: int = 0  # finished, but not every call of theirs could be committed (a full disk): they run again
+    unscored: str = ""  # why scoring could not run (a full disk): the same command scores once there is space
     interrupted: bool = False
     isolation: str = ""  # the mode runs used
     trajectories: list = field(default_factory=list)
@@ -47,6 +49,7 @@ class Report:
         self.done += 1
         self.failed += outcome.outcome == "failed"
         self.timed_out += outcome.outcome == "timeout"
+        self.left_open += not outcome.committed
         self.trajectories.append(outcome.trajectory)
 
 
@@ -62,12 +65,14 @@ def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> 
         return rollout_on_ray(config, progress=progress, mode=mode)
     proxy = ProxyHandle(config, db)
     try:
-        return _rollout(config, proxy, progress, mode)
+        return rollout_through(config, proxy, progress=progress, mode=mode)
     finally:
         proxy.close()  # whatever happened, a proxy started here stops here
 
 
-def _rollout(config: Config, proxy: ProxyHandle, progress: bool, mode: str) -> Report:
+def rollout_through(config: Config, proxy: ProxyHandle, *, progress: bool = True, mode: str | None = None) -> Report:
+    """The rollout's runs through a proxy the caller holds (a training loop keeps one across rounds)."""
+    mode = mode or iso.resolve(config.isolation)
     run = config.run
     from stepmill.store import Store
 
@@ -122,7 +127,8 @@ def _rollout(config: Config, proxy: ProxyHandle, progress: bool, mode: str) -> R
             report.running = site.running
             print_progress(report, lambda: store.rollout_totals(f"{run.dataset}-"), end="\n")
         if not report.interrupted and config.rewards:
-            _score(config, proxy.db, run.dataset)
+            report.unscored = _score(config, proxy.db, run.dataset)
+        store.close()  # a training loop rolls out round after round through one proxy
     return report
 
 
@@ -142,11 +148,21 @@ def print_progress(report: Report, totals: Callable[[], dict], end: str | None =
           f"{steps['output_tokens']} output tokens   ", end=end, file=sys.stderr, flush=True)
 
 
-def _score(config: Config, db: str, dataset: str) -> None:
+def _score(config: Config, db: str, dataset: str) -> str:
+    """Score the rollout's complete trajectories; when the file cannot be written (a full disk), the
+    reason (nothing is lost: the same command scores them once it can)."""
+    from stepmill.errors import StoreUnavailable
     from stepmill.store import Store
     from stepmill.rewards.scoring import load_config, score
 
-    reports = score(Store(db), load_config(config.path, other_sections=True), id_prefix=f"{dataset}-",
-                    progress=False)
+    store = Store(db)
+    try:
+        reports = score(store, load_config(config.path, other_sections=True), id_prefix=f"{dataset}-",
+                        progress=False)
+    except StoreUnavailable as exc:  # the file cannot be written now (full, locked)
+        return str(exc)
+    finally:
+        store.close()
     for name, result in reports.items():
         print(f"reward {name}: scored {result.scored}, failed {result.failed}", file=sys.stderr)
+    return ""

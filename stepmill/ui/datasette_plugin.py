@@ -7,6 +7,7 @@ Routes (HTML, or JSON with a .json suffix):
   /-/stepmill/groups/<group_id>      a group's rollouts side by side and their prefix tree
   /-/stepmill/lifecycle              the lifecycle in numbers and charts
   /-/stepmill/live                   runs and steps of the last minutes, refreshing itself (live.json)
+  /-/stepmill/training?run=NAME      a training run's numbers per policy version beside its control
   /-/stepmill/sign-in?token=…       a named reviewer's token (``stepmill reviewer NAME``) → signed in;
                                     without a token: how to sign in
   POST /-/stepmill/review           a signed-in reviewer's label / trainable / tag / note / reward
@@ -38,6 +39,7 @@ from stepmill.protocols.messages import content_text
 from stepmill.store import Store, views
 from stepmill.ui import dashboard
 from stepmill.ui import fleet as fleet_view
+from stepmill.ui import training as training_view
 from stepmill.ui.lifecycle import STAGES, lifecycle
 
 SIGN_IN = "/-/stepmill/sign-in"
@@ -261,6 +263,29 @@ async def live_view(datasette, request):
         "stepmill_live.html", {"minutes": minutes, "db": request.args.get("db") or ""}, request=request))
 
 
+async def train_view(datasette, request):
+    """A training run (``?run=``, default the first with a control) beside its paired control."""
+    if not await _readable(datasette, request):
+        return Response.html("<h1>Sign in to read</h1>", status=403)
+    run = request.args.get("run") or None
+    try:
+        tolerance = float(request.args["tolerance"]) if request.args.get("tolerance") else None
+        if tolerance is not None and not 0 < tolerance < float("inf"):
+            raise ValueError(tolerance)
+    except ValueError:
+        return Response.text("tolerance: a positive number", status=400)
+    as_json = bool(request.url_vars.get("ext"))
+    try:
+        _, data = await _call(datasette, request, lambda store: training_view.training(store, run, tolerance))
+    except NotFound:
+        return _not_found(f"training run {run}", as_json)
+    if as_json:
+        return Response.json(data)
+    return Response.html(await datasette.render_template(
+        "stepmill_training.html", {"data": data, "fmt": training_view.fmt, "db": request.args.get("db") or ""},
+        request=request))
+
+
 async def sign_in(datasette, request):
     """A named reviewer's token becomes Datasette's signed actor cookie; without one, how to sign in."""
     token = request.args.get("token") or ""
@@ -386,6 +411,7 @@ def register_routes():
         (r"^/-/stepmill/groups/(?P<group_id>[^/]+?)(?P<ext>\.json)?$", group_view),
         (r"^/-/stepmill/lifecycle(?P<ext>\.json)?$", lifecycle_view),
         (r"^/-/stepmill/live(?P<ext>\.json)?$", live_view),
+        (r"^/-/stepmill/training(?P<ext>\.json)?$", train_view),
         (r"^/-/stepmill/sign-in$", sign_in),
         (r"^/-/stepmill/review$", review),
     ]

@@ -14,7 +14,8 @@ STEP_COLUMNS = {
     "group_id": "Runs of the same prompt (GRPO group)",
     "parent_step_id": "The step whose conversation this one continues",
     "step_index": "Position in the trajectory",
-    "api": "openai.chat, openai.completions, openai.responses, anthropic.messages, control",
+    "api": "openai.chat, openai.completions, openai.responses, anthropic.messages, gemini.generate, "
+           "sglang.generate, control",
     "transport": "http, sse or websocket",
     "messages_base_len": "Messages shared with the parent's conversation + completion",
     "messages_suffix": "Messages after the shared prefix (canonical form)",

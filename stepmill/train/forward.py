@@ -1,0 +1,279 @@
+"""The policy's logprobs on the trained tokens of a batch, in any of the three layouts, and the loss.
+
+Layouts (``LAYOUTS``):
+- ``"steps"``: a step batch (``step_batches`` / ``group_batch``): prompts left-padded, responses
+  right-padded; one forward over the padded rows.
+- ``"rows"``: a trajectory batch (``trajectory_batch``): one row per token-exact chain of steps, the
+  loss on sampled tokens only; one forward over the padded rows.
+- ``"tree"``: a step or trajectory batch packed once as a prefix tree (``pack_batch``); one forward
+  over the packed tokens, each shared prefix computed once. Attention: FlexAttention with the
+  tree's ``mask_mod`` when the model was loaded with ``attn_implementation="flex_attention"``
+  (torch has no FlexAttention backward on the CPU, so there the CPU path is forward-only), else a
+  dense 4-D mask (boolean for SDPA, additive for eager attention; T×T memory).
+
+Every layout comes down to the same ``TokenView``: one entry per trained token (its logprob under
+the model, the engine's logprob, its trajectory), plus each trajectory's reward and group. The
+reward of a trajectory is its last step's (the last row's), as ``token_level_scores`` carries it.
+A trained token at position 0 of its sequence has no context to be predicted from and is left out
+(counted in ``TokenView.skipped``) in every layout alike.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stepmill.errors import BadInput, ConfigError
+from stepmill.trainer_bridge.layouts import Batch
+from stepmill.trainer_bridge.prefix_tree import flex_mask_mod, pack_tree
+
+from stepmill.train.methods import Method, advantages, policy_loss
+
+LAYOUTS = ("steps", "rows", "tree")
+ATTENTION = ("auto", "flex", "dense")
+
+
+@dataclass
+class TokenView:
+    logprobs: torch.Tensor  # (N,) each trained token's logprob under the model (with grad when enabled)
+    old_logprobs: torch.Tensor  # (N,) the engine's logprob of it: the behaviour policy
+    seq_index: torch.Tensor  # (N,) long: its trajectory, an index into the per-trajectory lists
+    rewards: torch.Tensor  # (S,) each trajectory's reward
+    groups: list  # (S,) each trajectory's group
+    trajectory_ids: list  # (S,)
+    entropy: torch.Tensor | None = None  # (N,) the policy's entropy where each token was predicted
+    skipped: int = 0  # trained tokens at position 0, with nothing to predict them from
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.trajectory_ids)
+
+    def lengths(self) -> torch.Tensor:
+        """Trained tokens per trajectory."""
+        return torch.zeros(self.n_seqs, dtype=torch.long).index_add_(
+            0, self.seq_index.cpu(), torch.ones(len(self.seq_index), dtype=torch.long))
+
+
+# -- the tree layout of a step or trajectory batch -----------------------------------------------------
+def pack_batch(batch: Batch) -> Batch:
+    """A step batch or trajectory batch packed as one prefix tree (``pack_tree``), with what the loss
+    needs per sequence in CSR order beside ``seq_positions``: ``seq_log_probs`` (the engine's),
+    ``seq_scores`` (``token_level_scores``), and per sequence ``uid``, ``trajectory_id`` and
+    ``order`` (its step index, or its row number) in ``meta``."""
+    t = batch.tensors
+    if not t:
+        raise BadInput("an empty batch has nothing to pack")
+    trained, logprobs, scores = _full_width(batch)
+    attention = t["attention_mask"].astype(bool)
+    sequences, masks, seq_lp, seq_sc = [], [], [], []
+    for b in range(len(attention)):
+        keep = attention[b]
+        sequences.append(t["input_ids"][b][keep])
+        masks.append(trained[b][keep])
+        seq_lp.append(logprobs[b][keep])
+        seq_sc.append(scores[b][keep])
+    tree = pack_tree(sequences, masks)
+    tensors = {"input_ids": tree.input_ids, "position_ids": tree.position_ids, "parent": tree.parent,
+               "subtree_end": tree.subtree_end, "loss_mask": tree.loss_mask, "loss_count": tree.loss_count,
+               "seq_offsets": tree.seq_offsets, "seq_positions": tree.seq_positions,
+               "seq_loss_mask": tree.seq_loss_mask,
+               "seq_log_probs": np.concatenate(seq_lp).astype(np.float32),
+               "seq_scores": np.concatenate(seq_sc).astype(np.float32)}
+    meta = {"uid": list(batch.meta["uid"]), "trajectory_id": list(batch.meta["trajectory_id"]),
+            "order": _orders(batch)}
+    report = Counter(batch.report)
+    report["token_ratio_permille"] = round(tree.token_ratio * 1000)
+    return Batch(tensors, meta, report)
+
+
+def _full_width(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Trained-token mask, engine logprobs and scores over the whole width of ``input_ids``."""
+    t = batch.tensors
+    if "prompts" in t:  # a step batch: the response columns follow the prompt columns
+        pad = np.zeros_like(t["prompts"])
+        return (np.concatenate([pad, t["response_mask"]], axis=1).astype(bool),
+                np.concatenate([pad.astype(np.float32), t["rollout_log_probs"]], axis=1),
+                np.concatenate([pad.astype(np.float32), t["token_level_scores"]], axis=1))
+    return t["response_mask"].astype(bool), t["rollout_log_probs"], t["token_level_scores"]
+
+
+def _orders(batch: Batch) -> list:
+    """Each row's place in its trajectory: its step index (steps), or its row number (rows)."""
+    if "step_index" in batch.meta:
+        return [float("inf") if i is None else i for i in batch.meta["step_index"]]
+    return list(range(len(batch.meta["trajectory_id"])))
+
+
+def _trajectories(trajectory_ids: list, groups: list, orders: list, scores: list) -> tuple:
+    """Sequences (steps or rows) to trajectories: each sequence's trajectory index, and per
+    trajectory its id, group and reward (that of its last sequence)."""
+    index: dict = {}
+    seq_to_traj, last = [], {}
+    for i, (tid, order) in enumerate(zip(trajectory_ids, orders)):
+        k = index.setdefault(tid, len(index))
+        seq_to_traj.append(k)
+        if k not in last or (order, i) >= last[k][0]:
+            last[k] = ((order, i), scores[i], groups[i])
+    ids = list(index)
+    rewards = torch.tensor([float(last[index[t]][1]) for t in ids], dtype=torch.float64)
+    return seq_to_traj, ids, [last[index[t]][2] for t in ids], rewards
+
+
+# -- forwards ---------------------------------------------------------------------------------------
+def _logits_at(model, positions: torch.Tensor, **inputs) -> torch.Tensor:
+    """Logits (B, len(positions), V) at the given sequence positions only (``logits_to_keep``)."""
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        return model(**inputs, logits_to_keep=positions, use_cache=False).logits
+    return model(**inputs, use_cache=False).logits[:, positions]
+
+
+def _token_stats(logits: torch.Tensor, targets: torch.Tensor, entropy: bool):
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # log-softmax in >= float32
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else None
+    return logp, ent
+
+
+def _padded_view(model, batch: Batch, entropy: bool) -> TokenView:
+    t = batch.tensors
+    device = model.device
+    trained, logprobs, scores = _full_width(batch)
+    positions = t["position_ids"]
+    usable = trained & (positions > 0)
+    skipped = int((trained & (positions == 0)).sum())
+    rows, cols = np.nonzero(usable)  # row-major: each row's tokens in order
+    columns, inverse = np.unique(cols - 1, return_inverse=True)  # the logits that predict them
+    logits = _logits_at(model, torch.from_numpy(columns).to(device),
+                        input_ids=torch.from_numpy(t["input_ids"]).to(device),
+                        attention_mask=padded_attention_mask(model, torch.from_numpy(t["attention_mask"]).to(device)),
+                        position_ids=torch.from_numpy(positions).to(device))
+    picked = logits[torch.from_numpy(rows).to(device), torch.from_numpy(inverse).to(device)]
+    targets = torch.from_numpy(t["input_ids"][rows, cols]).to(device)
+    logp, ent = _token_stats(picked, targets, entropy)
+    seq_to_traj, ids, groups, rewards = _trajectories(
+        list(batch.meta["trajectory_id"]), list(batch.meta["uid"]), _orders(batch), scores.sum(axis=1).tolist())
+    return TokenView(logp, torch.from_numpy(logprobs[rows, cols]).to(device),
+                     torch.tensor(seq_to_traj, dtype=torch.long)[torch.from_numpy(rows)].to(device),
+                     rewards.to(device), groups, ids, ent, skipped)
+
+
+def _implementation(model) -> str:
+    return getattr(model.config, "_attn_implementation", None) or "eager"
+
+
+def _dense_mask(model, allowed: torch.Tensor) -> torch.Tensor:
+    """A (B, 1, T, T) boolean attention pattern as the model's attention takes it: as is for SDPA,
+    additive (0 or the dtype's minimum) for eager attention."""
+    implementation = _implementation(model)
+    if implementation == "sdpa":
+        return allowed
+    if implementation != "eager":
+        raise ConfigError(f"a custom attention mask needs flex_attention, sdpa or eager attention, "
+                          f"not {implementation}")
+    return torch.zeros(allowed.shape, dtype=model.dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(model.dtype).min)
+
+
+def padded_attention_mask(model, attention_mask: torch.Tensor):
+    """Causal attention over each row's real tokens. A padding query attends itself alone, so no
+    row is fully masked (eager attention would turn it into NaNs that reach real tokens through
+    zero weights). A FlexAttention model gets the 2-D mask and builds its own BlockMask."""
+    if _implementation(model) == "flex_attention":
+        return attention_mask
+    size = attention_mask.shape[1]
+    q = torch.arange(size, device=attention_mask.device)[:, None]
+    k = torch.arange(size, device=attention_mask.device)[None, :]
+    allowed = ((k <= q)[None] & attention_mask.bool()[:, None, :]) | (k == q)[None]
+    return _dense_mask(model, allowed[:, None])
+
+
+def tree_attention_mask(model, subtree_end: np.ndarray, attention: str = "auto"):
+    """What the model's attention takes for one packed tree: a FlexAttention ``BlockMask`` (when the
+    model uses ``flex_attention``), or a dense (1, 1, T, T) mask: boolean for SDPA, additive for eager."""
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention must be one of {ATTENTION}")
+    device, size = model.device, len(subtree_end)
+    ends = torch.from_numpy(np.asarray(subtree_end)).to(device)
+    flex = _implementation(model) == "flex_attention"
+    if attention == "flex" and not flex:
+        raise ConfigError("FlexAttention needs a model loaded with attn_implementation='flex_attention'")
+    if attention == "dense" and flex:
+        raise ConfigError("a model loaded with flex_attention takes a BlockMask; load it with 'sdpa' or 'eager'")
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        return create_block_mask(flex_mask_mod(ends), 1, None, size, size, device=device)
+    q = torch.arange(size, device=device)[:, None]
+    k = torch.arange(size, device=device)[None, :]
+    return _dense_mask(model, ((k <= q) & (q < ends[None, :]))[None, None])  # k is q or one of its ancestors
+
+
+def _tree_view(model, batch: Batch, entropy: bool, attention: str) -> TokenView:
+    t = batch.tensors
+    device = model.device
+    offsets, positions = t["seq_offsets"], t["seq_positions"]
+    n = len(offsets) - 1
+    entry_seq = np.repeat(np.arange(n), np.diff(offsets))  # the sequence of each CSR entry
+    depth = np.arange(len(positions)) - offsets[entry_seq]  # its position in that sequence
+    trained = t["seq_loss_mask"].astype(bool)
+    usable = np.flatnonzero(trained & (depth > 0))
+    skipped = int((trained & (depth == 0)).sum())
+    # the logits predicting a sequence's token j sit at the packed position of its token j - 1
+    predecessors, inverse = np.unique(positions[usable - 1], return_inverse=True)
+    mask = tree_attention_mask(model, t["subtree_end"], attention)
+    logits = _logits_at(model, torch.from_numpy(predecessors).to(device),
+                        input_ids=torch.from_numpy(t["input_ids"])[None].to(device),
+                        position_ids=torch.from_numpy(t["position_ids"])[None].to(device), attention_mask=mask)[0]
+    picked = logits[torch.from_numpy(inverse).to(device)]
+    targets = torch.from_numpy(t["input_ids"][positions[usable]]).to(device)
+    logp, ent = _token_stats(picked, targets, entropy)
+    seq_scores = np.add.reduceat(t["seq_scores"], offsets[:-1]) if len(positions) else np.zeros(n)
+    seq_scores = np.where(np.diff(offsets) > 0, seq_scores, 0.0)  # reduceat repeats a value for empty ranges
+    seq_to_traj, ids, groups, rewards = _trajectories(
+        list(batch.meta["trajectory_id"]), list(batch.meta["uid"]), list(batch.meta["order"]), seq_scores.tolist())
+    return TokenView(logp, torch.from_numpy(t["seq_log_probs"][usable]).to(device),
+                     torch.tensor(seq_to_traj, dtype=torch.long)[torch.from_numpy(entry_seq[usable])].to(device),
+                     rewards.to(device), groups, ids, ent, skipped)
+
+
+def token_view(model, batch: Batch, layout: str, *, entropy: bool = False, attention: str = "auto") -> TokenView:
+    """The model's logprobs (and entropy) on a batch's trained tokens, as a layout-free ``TokenView``.
+    Gradients flow when enabled; wrap in ``torch.no_grad()`` for a reference or old policy."""
+    if layout not in LAYOUTS:
+        raise BadInput(f"layout must be one of {LAYOUTS}")
+    needed = ("seq_offsets", "seq_log_probs") if layout == "tree" else ("input_ids", "rollout_log_probs")
+    missing = [name for name in needed if name not in batch.tensors]
+    if missing:
+        hint = " (pack_batch makes the tree layout)" if layout == "tree" else ""
+        raise BadInput(f"not a {layout} batch: no {', '.join(missing)}{hint}")
+    if layout == "tree":
+        return _tree_view(model, batch, entropy, attention)
+    return _padded_view(model, batch, entropy)
+
+
+def view_loss(view: TokenView, method: Method, *,
+              ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """The method's loss on a view: advantages per trajectory, then the clipped policy loss."""
+    adv = advantages(view.rewards, view.groups, method, lengths=view.lengths().to(view.rewards.device))
+    loss, stats = policy_loss(view.logprobs, view.old_logprobs, adv[view.seq_index], view.seq_index, view.n_seqs,
+                              method, ref_logprobs=ref_logprobs, entropy=view.entropy)
+    stats.update(trajectories=view.n_seqs, skipped_tokens=view.skipped,
+                 reward_mean=float(view.rewards.mean()) if view.n_seqs else 0.0)
+    return loss, stats
+
+
+def loss(model, batch: Batch, layout: str, method: Method, *, ref_model=None, entropy: bool = False,
+         attention: str = "auto") -> tuple[torch.Tensor, dict]:
+    """The method's loss of ``model`` on ``batch`` (and its stats); ``ref_model``: the reference
+    policy of a KL term (``method.kl_coef``), run without gradients on the same layout."""
+    view = token_view(model, batch, layout, entropy=entropy or bool(method.entropy_coef), attention=attention)
+    ref = None
+    if ref_model is not None:
+        with torch.no_grad():
+            ref = token_view(ref_model, batch, layout, attention=attention).logprobs
+    return view_loss(view, method, ref_logprobs=ref)

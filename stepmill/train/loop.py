@@ -1,0 +1,293 @@
+"""The closed loop: roll out through stepmill, consume whole groups, take an optimizer step, serve
+the new weights on the engine (verified), stamp the next calls with the new policy version.
+
+    sync:   version v rolls out → its groups are claimed together → one optimizer step → acked
+            together → weights synced to the engine as v+1 (probe checked) → the proxy stamps v+1
+    async:  rounds roll out continuously in a thread (collection never waits for training); the
+            trainer claims what is ready within ``max_staleness`` versions, steps, acks, syncs
+
+A paired control runs the same rounds (same tasks, same seeds) from the same starting weights with
+no optimizer step, on its own channel, so its reward per version is the baseline the run is read
+against. Every number is recorded per version in the store (``train_metrics``) for both runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from stepmill.errors import ConfigError
+from stepmill.runner.config import Config
+from stepmill.runner.proxy_handle import ProxyHandle, origin
+from stepmill.runner.rollout import rollout_through
+from stepmill.store import Store
+from stepmill.train.config import TrainConfig
+from stepmill.train.signals import mean_reward, response_signals
+
+
+@dataclass
+class VersionReport:
+    """What one version of one run gave: the numbers recorded in ``train_metrics``."""
+
+    run: str
+    version: int
+    metrics: dict = field(default_factory=dict)
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def round_config(config: Config, run: str, number: int, *, channel: str, version: int | None,
+                 dataset: str | None = None, seed: int | None = None) -> Config:
+    """The rollout of one round: the dataset's tasks under ids of their own (``<run>-r<k>-<dataset>-…``),
+    on ``channel``, stamped with ``version`` (None: whatever version is in force when each call starts)."""
+    round_ = copy.copy(config)
+    round_.run = copy.copy(config.run)
+    source = dataset or config.run.dataset
+    name = f"{run}-r{number}-{source}"
+    round_.datasets = {**config.datasets, name: config.datasets[source]}
+    round_.public = {**config.public, name: config.public.get(source, [])}
+    round_.library_paths = {**config.library_paths, name: config.library_paths.get(source, [])}  # hidden from runs
+    round_.run.dataset, round_.run.channel = name, channel
+    round_.run.policy_version = None if version is None else str(version)
+    # the same round of a run and of its paired control draws with the same seeds
+    round_.run.seed = None if seed is None else seed * 1_000_003 + number
+    return round_
+
+
+def engine_sync(train: TrainConfig, url: str, served_model: str):
+    """How the engine gets each new policy: vLLM's in-place reload of the full weights, verified by the probe."""
+    from stepmill.train.engine_sync import VLLMSync
+
+    return VLLMSync(url, served_model, tolerance=train.tolerance)
+
+
+class Loop:
+    """One run of the closed loop (``update=False``: its paired control)."""
+
+    def __init__(self, config: Config, train: TrainConfig, proxy: ProxyHandle, *, run: str, update: bool,
+                 progress: bool = True):
+        from stepmill.train.policy import Policy
+
+        self.config, self.train, self.proxy, self.run, self.update = config, train, proxy, run, update
+        self.progress = progress
+        self.channel = config.run.channel if update else f"{config.run.channel}-control"
+        if train.val_dataset and train.val_dataset not in config.datasets:
+            raise ConfigError(f"[train] val_dataset: no [[dataset]] named {train.val_dataset!r}")
+        self.store = Store(proxy.db)
+        if self.store.train_metrics(run):
+            self.store.close()
+            raise ConfigError(f"{proxy.db} already holds a training run named {run!r}: give this one another name "
+                              "(--name), or a new file")
+        self.policy = Policy(train)  # the same starting weights and seed for a run and its control
+        self.engine = engine_sync(train, train.engine or origin(config.route.base_url), config.run.model)
+        self.consumer = self._consumer()
+        self.version = 0
+        self.reports: list[VersionReport] = []
+
+    def _consumer(self):
+        kind = self.train.consumer
+        name = f"{self.run}-trainer"
+        staleness = self.train.max_staleness if self.train.mode == "async" else None
+        if kind == "local":
+            from stepmill.trainer_bridge.consume import Consumer
+
+            return Consumer(self.store, name, n=self.config.run.n, channel=self.channel, max_staleness=staleness,
+                            scored=True)
+        if kind.startswith(("http://", "https://")):
+            from stepmill.trainer_bridge.serve import NodeConsumer
+
+            return NodeConsumer(kind, name, n=self.config.run.n, channel=self.channel, max_staleness=staleness,
+                                scored=True)
+        if kind.startswith(("postgres://", "postgresql://")):
+            from stepmill.trainer_bridge.remote import RemoteConsumer
+
+            # the coordinator hands out a node's groups once they are complete and scored
+            return RemoteConsumer(kind, name, channel=self.channel, max_staleness=staleness)
+        raise ConfigError(f"[train] consumer: local, an http(s):// serve URL or a postgresql:// coordinator, not {kind!r}")
+
+    # -- the pieces of one iteration ------------------------------------------------------------
+    def serve(self, version: int) -> dict:
+        """The engine serves the policy's current weights as ``version`` (verified), then the proxy
+        stamps every call that starts from now on with it."""
+        # set while the engine holds new calls, from the moment it stopped taking them: a call is stamped
+        # with the version whose weights serve it, in async mode too
+        report = self.engine.sync(self.policy.model, str(version), while_paused=lambda paused_at:
+                                  self.proxy.client.set_policy_version(version, since=paused_at))
+        self.version = version
+        self.policy.serving(version)
+        return {"sync_s": report.total_seconds, "engine_paused_s": report.paused_seconds,
+                "logprob_gap": report.gap, "tolerance": self.train.tolerance}
+
+    def roll_out(self, number: int, *, version: int | None, dataset: str | None = None,
+                 channel: str | None = None) -> float:
+        started = time.monotonic()
+        rollout_through(round_config(self.config, self.run, number, channel=channel or self.channel,
+                                     version=version, dataset=dataset, seed=self.train.seed), self.proxy, progress=False)
+        return time.monotonic() - started
+
+    def consume(self, wanted: int, *, wait_s: float = 0.0) -> list:
+        """Up to ``wanted`` ready groups, claimed together (waiting up to ``wait_s`` for the first)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            batches = self.consumer.claim_many(wanted)
+            if batches or time.monotonic() >= deadline:
+                return batches
+            time.sleep(0.2)
+
+    def learn(self, batches: list) -> dict:
+        """One optimizer step over the groups (none for the control), then the groups acked together; a
+        step that fails gives them back at once. A group with no gated step is acked, not trained on."""
+        started = time.monotonic()
+        trainable = [b for b in batches if b.tensors]
+        try:
+            stats = self.policy.step(trainable, update=self.update) if trainable else {}
+        except BaseException:
+            self.consumer.release_many(batches)
+            raise
+        stats["empty_groups"] = len(batches) - len(trainable)
+        self.consumer.ack_many(batches)
+        stats["train_s"] = time.monotonic() - started
+        return stats
+
+    def measure(self, batches: list) -> dict:
+        """Reward and the reward-hacking signals of the consumed groups."""
+        batches = [b for b in batches if b.tensors]
+        metrics = {"reward": mean_reward(batches), "groups": len(batches),
+                   "trajectories": len({t for b in batches for t in b.meta["trajectory_id"]})}
+        metrics.update(response_signals(batches))
+        staleness = [self.version - int(v) for b in batches for v in b.meta["policy_version"]
+                     if v is not None and str(v).lstrip("-").isdigit()]
+        metrics["staleness_mean"] = sum(staleness) / len(staleness) if staleness else None
+        metrics["staleness_max"] = max(staleness) if staleness else None
+        return metrics
+
+    def validate(self, number: int) -> float | None:
+        """Mean reward of a held-out rollout under the current version (the val channel, never trained on)."""
+        self.roll_out(number, version=self.version, dataset=self.train.val_dataset, channel="val")
+        prefix = f"{self.run}-r{number}-{self.train.val_dataset}-"
+        return self.store.mean_trajectory_reward(prefix)
+
+    def record(self, version: int, metrics: dict) -> VersionReport:
+        self.store.record_train_metrics(self.run, version, metrics)
+        report = VersionReport(self.run, version, metrics)
+        self.reports.append(report)
+        if self.progress:
+            shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                              for k, v in metrics.items() if v is not None)
+            say(f"[{self.run}] version {version}: {shown}")
+        return report
+
+    # -- the loops --------------------------------------------------------------------------------
+    def run_sync(self) -> list[VersionReport]:
+        synced = self.serve(0)
+        groups = self.groups_per_round()
+        for i in range(self.train.iterations):
+            version = self.version
+            rollout_s = self.roll_out(i, version=version)
+            batches = self.consume(groups, wait_s=30)
+            if not batches:
+                raise ConfigError(f"round {i} gave no ready group on channel {self.channel!r}: did its runs fail? "
+                                  "(stepmill runs / the proxy's log)")
+            metrics = {**self.measure(batches), "rollout_s": rollout_s, **synced}
+            metrics.update(self.learn(batches))
+            if self.train.val_every and version % self.train.val_every == 0:
+                metrics["val_reward"] = self.validate(i)
+            self.record(version, metrics)
+            synced = self.serve(version + 1)
+        self.record(self.version, {**synced, **self._final_round()})
+        return self.reports
+
+    def run_async(self) -> list[VersionReport]:
+        synced = self.serve(0)
+        stop = threading.Event()
+        rounds = {"done": 0, "error": None}
+
+        def collect():  # never waits for training: one round after another, stamped at each call's start
+            number = 0
+            try:
+                while not stop.is_set():
+                    self.roll_out(number, version=None)
+                    number += 1
+                    rounds["done"] = number
+            except BaseException as exc:  # the trainer reports it; collection errors end the run
+                rounds["error"] = exc
+
+        collector = threading.Thread(target=collect, name="stepmill-train-rollouts", daemon=True)
+        collector.start()
+        groups = self.groups_per_round()
+        try:
+            for _ in range(self.train.iterations):
+                version = self.version
+                batches, waited = [], time.monotonic()
+                while not batches:
+                    if rounds["error"] is not None:
+                        raise rounds["error"]
+                    # rounds keep coming but none gives a group to train on (runs failing, groups stale)
+                    if time.monotonic() - waited > 4 * self.config.run.timeout:
+                        raise ConfigError(f"no ready group on channel {self.channel!r} for "
+                                          f"{4 * self.config.run.timeout:.0f} s while rollouts ran")
+                    batches = self.consume(groups, wait_s=5)
+                metrics = {**self.measure(batches), **synced, "rounds_done": rounds["done"]}
+                metrics.update(self.learn(batches))
+                self.record(version, metrics)
+                synced = self.serve(version + 1)
+        finally:
+            stop.set()
+            collector.join()
+        if rounds["error"] is not None:
+            raise rounds["error"]
+        return self.reports
+
+    def groups_per_round(self) -> int:
+        return len(self.config.tasks(self.config.run.dataset)) * len(self.config.run.agent)
+
+    def _final_round(self) -> dict:
+        """The last version's reward: one more round under it, measured, not trained on."""
+        n = self.train.iterations
+        rollout_s = self.roll_out(n, version=self.version)
+        batches = self.consume(self.groups_per_round(), wait_s=30)
+        if not batches:
+            raise ConfigError(f"the last round gave no ready group on channel {self.channel!r}: did its runs fail?")
+        metrics = {**self.measure(batches), "rollout_s": rollout_s}
+        self.consumer.ack_many(batches)
+        return metrics
+
+    def close(self) -> None:
+        self.engine.close()
+        close = getattr(self.consumer, "close", None)
+        if close:
+            close()
+        self.store.close()
+
+
+@dataclass
+class Outcome:
+    run: list[VersionReport]
+    control: list[VersionReport] | None
+
+
+def train_loop(config: Config, train: TrainConfig, *, db: str | None = None, progress: bool = True,
+               name: str = "train") -> Outcome:
+    """The control (when asked) then the run, from the same starting weights, through one proxy."""
+    proxy = ProxyHandle(config, db)
+    try:
+        control = None
+        runs = ([(f"{name}-control", False)] if train.control else []) + [(name, True)]
+        for run, update in runs:
+            loop = Loop(config, train, proxy, run=run, update=update, progress=progress)
+            try:
+                reports = loop.run_async() if train.mode == "async" else loop.run_sync()
+            finally:
+                loop.close()
+            if update:
+                result = reports
+            else:
+                control = reports
+        return Outcome(result, control)
+    finally:
+        proxy.close()

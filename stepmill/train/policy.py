@@ -1,0 +1,135 @@
+"""The policy being trained: its weights (the engine's starting folder), its optimizer, its RL method,
+and one optimizer step over whole groups in the configured layout."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import torch
+
+from stepmill.trainer_bridge.layouts import concat_step_batches, rows_from_step_batch, trajectory_batch
+
+from stepmill.train.config import TrainConfig
+from stepmill.train.forward import loss as layout_loss, pack_batch, token_view
+from stepmill.train.methods import method as rl_method
+
+
+def load_model(folder: str, seed: int):
+    """The weights the engine serves at the start, in float32 on the CPU (what the engine computes in)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    model.train()
+    return model
+
+
+def in_layout(batches: list, layout: str):
+    """The claimed groups (step batches, as every consumer hands them out) as one batch of ``layout``."""
+    steps = concat_step_batches(batches)
+    if layout == "steps":
+        return steps
+    rows, report = rows_from_step_batch(steps)
+    trajectory = trajectory_batch(rows, report)
+    return trajectory if layout == "rows" else pack_batch(trajectory)
+
+
+class Policy:
+    def __init__(self, train: TrainConfig):
+        self.train = train
+        self.model = load_model(train.model, train.seed)
+        options = {"clip_low": train.clip_low, "clip_high": train.clip_high, "kl_coef": train.kl,
+                   "norm_length": train.norm_length}  # the constant of "sum_norm" aggregation (Dr. GRPO's)
+        if train.aggregation:
+            options["aggregation"] = train.aggregation
+        self.method = rl_method(train.method, **options)
+        self.version = 0  # the version the engine serves these weights as (``serving``)
+        self.snapshots: dict[int, dict | None] = {}
+        self.reference = None
+        if train.kl:  # the starting weights, frozen
+            self.reference = copy.deepcopy(self.model).eval()
+            for p in self.reference.parameters():
+                p.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, weight_decay=0.0)
+
+    def step(self, batches: list, *, update: bool) -> dict:
+        """``epochs`` optimizer steps on the groups, the engine's logprobs the behaviour policy throughout
+        (the first step is on-policy, later ones are held in by the clipping); ``update=False``, the
+        control: the same forward, no step. The stats are the first step's, with the last one's loss
+        and clip fraction beside them.
+
+        Before the first step the model's weights are those the engine served for on-policy groups, so
+        the gap between the trainer's and the engine's logprobs on the sampled tokens is measured here."""
+        batch = in_layout(batches, self.train.layout)
+        stats = self.sample_gap(batches)
+        for epoch in range(self.train.epochs if update else 1):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, step_stats = layout_loss(self.model, batch, self.train.layout, self.method, ref_model=self.reference)
+            step_stats = {k: float(v) for k, v in step_stats.items() if isinstance(v, (int, float))}
+            if epoch == 0:
+                stats.update(step_stats)
+            else:
+                stats.update(last_loss=step_stats["loss"], last_clip_fraction=step_stats["clip_fraction"])
+            if update:
+                loss.backward()
+                norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
+                if not math.isfinite(norm):  # a step on it would write NaN weights to the engine
+                    stats["skipped_steps"] = stats.get("skipped_steps", 0) + 1
+                    continue
+                stats.setdefault("grad_norm", norm)
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats
+
+    def serving(self, version: int) -> None:
+        """The engine now serves these weights as ``version``: kept (async) for as long as groups
+        stamped with it may still be trained on, so their engine logprobs can be checked against them."""
+        self.version = version
+        keep = self.train.max_staleness if self.train.mode == "async" else 0
+        self.snapshots[version] = {k: v.detach().clone() for k, v in self.model.state_dict().items()} if keep else None
+        for old in [v for v in self.snapshots if v < version - keep]:
+            del self.snapshots[old]
+
+    def sample_gap(self, batches: list) -> dict:
+        """Engine vs trainer on the tokens the engine sampled, each step under the weights of the
+        version it is stamped with (``rollout_gap``: the largest difference). A step stamped with a
+        version whose weights are no longer kept is counted in ``rollout_gap_unchecked``."""
+        steps = concat_step_batches(batches)
+        if not steps.tensors:
+            return {}
+        stamps = [str(v) for v in steps.meta["policy_version"]]
+        current = None  # a copy of the weights being trained, taken only when an older version's are loaded
+        gaps, unchecked = [], 0
+        with torch.no_grad():
+            for version in sorted(set(stamps)):
+                rows = [i for i, v in enumerate(stamps) if v == version]
+                weights = self.snapshots.get(int(version)) if version.lstrip("-").isdigit() else None
+                if version != str(self.version) and weights is None:
+                    unchecked += len(rows)
+                    continue
+                older = weights is not None and version != str(self.version)
+                if older:  # state_dict() shares the parameters' storage: keep a copy to come back to
+                    current = current or {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                    self.model.load_state_dict(weights)
+                try:
+                    view = token_view(self.model, select_rows(steps, rows), "steps")
+                finally:
+                    if older:
+                        self.model.load_state_dict(current)
+                gaps.append((view.logprobs.double() - view.old_logprobs.double()).abs())
+        diff = torch.cat(gaps) if gaps else torch.zeros(0)
+        return {"rollout_gap": float(diff.max()) if diff.numel() else None,
+                "rollout_gap_mean": float(diff.mean()) if diff.numel() else None,
+                "rollout_gap_unchecked": unchecked}
+
+
+def select_rows(batch, rows: list[int]):
+    """The rows ``rows`` of a step batch (tensors and per-row metadata)."""
+    from stepmill.trainer_bridge.layouts import Batch
+
+    index = np.asarray(rows, dtype=np.int64)
+    n = len(batch)
+    meta = {k: ([v[i] for i in rows] if isinstance(v, list) and len(v) == n else v) for k, v in batch.meta.items()}
+    return Batch({k: a[index] for k, a in batch.tensors.items()}, meta, batch.report)
