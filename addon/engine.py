@@ -13,7 +13,7 @@ import logging
 import ssl
 from dataclasses import dataclass
 
-from stepmill.protocols import anthropic_messages, gemini_generate, openai_chat, openai_responses, sglang_generate
+from stepmill.protocols import by_api
 
 log = logging.getLogger("stepmill")
 
@@ -21,11 +21,6 @@ log = logging.getLogger("stepmill")
 # since strict OpenAI-compatible services reject unknown request fields.
 CLOSED_API_HOSTS = ("openai.com", "anthropic.com", "openai.azure.com", "googleapis.com", "openrouter.ai",
                     "together.xyz", "groq.com", "deepseek.com", "mistral.ai", "fireworks.ai", "x.ai")
-# Anthropic Messages: engines have no id fields there; the proxy serves such a call through the
-# engine's chat completions instead (messages_via_chat.py).
-ENGINE_APIS = (openai_chat.CHAT, openai_chat.COMPLETIONS, openai_responses.API, anthropic_messages.API,
-               sglang_generate.API, gemini_generate.API)
-NATIVE_APIS = {sglang_generate.API: "sglang"}  # recorded only where that engine answers
 
 
 @dataclass
@@ -45,7 +40,8 @@ def configured(host: str, port: int | None, api: str, setting: str) -> bool | No
 
     ``setting`` is 'auto' (engines found by a probe), 'none', or a comma list of host[:port] (forced).
     """
-    if api not in ENGINE_APIS:
+    protocol = by_api(api)
+    if protocol is None or not protocol.asks_engines:  # its own id fields, or served through the engine's chat
         return False
     setting = (setting or "").strip()
     if setting in ("", "none", "off"):
@@ -204,21 +200,23 @@ def _dechunk(body: bytes) -> bytes:
 
 
 def inject(body: dict, api: str, kind: str | bool = "vllm") -> Added:
-    """Ask for ids and logprobs in place, the way engine ``kind`` allows; returns what was added."""
+    """Ask for ids and logprobs in place, the way the protocol (its ``engine_ids``) and engine ``kind`` allow;
+    returns what was added."""
     added = Added()
-    if api == sglang_generate.API:
+    ids = by_api(api).engine_ids
+    if ids == "generate":
         if not body.get("return_logprob"):
             body["return_logprob"] = True  # each sampled token as [logprob, id, text]
             added.return_logprob = True
         return added
-    if api == openai_responses.API:
+    if ids == "responses":
         # vLLM answers the prompt's and the output's tokens as raw_message_tokens items (not in
         # background mode, which a recorded call never uses).
         if not body.get("enable_response_messages") and not body.get("background"):
             body["enable_response_messages"] = True
             added.response_messages = True
         return added
-    if kind == "sglang" and api == openai_chat.CHAT:
+    if kind == "sglang" and ids == "chat":
         # SGLang refuses return_token_ids on streamed chat; its sglext flags work streamed or not.
         if not (body.get("return_input_ids_in_sglext") or body.get("return_output_ids_in_sglext")
                 or body.get("return_token_ids")):
@@ -227,7 +225,7 @@ def inject(body: dict, api: str, kind: str | bool = "vllm") -> Added:
     elif not body.get("return_token_ids"):
         body["return_token_ids"] = True
         added.token_ids = True
-    if api == openai_chat.CHAT:
+    if ids == "chat":
         if not body.get("logprobs"):
             body["logprobs"] = True
             added.logprobs = True

@@ -2,10 +2,10 @@
 
 Asks an upstream once whether it is a vLLM or SGLang engine (``engine.EngineProbe``), adds the
 id fields the agent did not ask for before the request moves, and takes out of the answer what
-only that addition caused, before the answer moves. An Anthropic Messages call to an engine is
-served through the engine's chat completions (which give ids) and answered as Messages. The
-wire-format work itself is in ``engine`` and ``stepmill.protocols.messages_via_chat``; this is
-the part that touches flows.
+only that addition caused, before the answer moves. A call whose protocol has no id fields on an
+engine (Anthropic Messages, Gemini: its ``Protocol.via_chat``) is served through the engine's chat
+completions (which give ids) and answered in the agent's protocol. The wire-format work itself is in
+``engine`` and the protocol's translation module; this is the part that touches flows.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from mitmproxy.proxy import mode_specs
 
 from stepmill.addon import engine
 from stepmill.addon.loop_state import Capture, hook_failed
-from stepmill.protocols import anthropic_messages, gemini_generate, gemini_via_chat, messages_via_chat, openai_chat
 from stepmill.protocols.base import json_bytes
+from stepmill.protocols.openai_chat import CHAT_PROTOCOL
 
 ENGINE_AUTH_HEADERS = ("authorization", "x-api-key", "api-key")
 
@@ -33,7 +33,7 @@ class EngineIds:
     def request(self, flow: http.HTTPFlow, capture: Capture, forget: Callable[[http.HTTPFlow, Capture], None]):
         """None, or (the first call to a host whose probe is still to be made) a coroutine to await.
         ``forget``: drops a call that turns out to be no LLM call of ours."""
-        native = engine.NATIVE_APIS.get(capture.call.api)  # an engine's own endpoint, e.g. SGLang's /generate
+        native = capture.protocol.engine_native  # an engine's own endpoint, e.g. SGLang's /generate
         if not ctx.options.stepmill_engine_inject and not native:
             return None
         decision = engine.configured(capture.call.host, flow.request.port, capture.call.api,
@@ -53,10 +53,11 @@ class EngineIds:
     def _probe_key(cls, flow: http.HTTPFlow, capture: Capture) -> tuple:
         request = flow.request
         bare = request.path.split("?", 1)[0].rstrip("/")
-        if bare.endswith("/generate"):  # SGLang's native endpoint sits beside /v1
-            root = bare[: -len("/generate")] + "/v1"
-        elif gemini_generate.PATH.search(bare):  # …/v1beta/models/m:generateContent: the engine's /v1 beside it
-            root = gemini_via_chat.chat_path(bare)[: -len("/chat/completions")]
+        via = capture.protocol.via_chat
+        if capture.protocol.engine_native:  # an engine's own endpoint (SGLang's /generate) sits beside /v1
+            root = bare.rsplit("/", 1)[0] + "/v1"
+        elif via is not None:  # …/v1beta/models/m:generateContent: the engine's /v1 beside it
+            root = via.chat_path(bare)[: -len("/chat/completions")]
         elif bare.endswith("/chat/completions"):
             root = bare[: -len("/chat/completions")]
         else:
@@ -81,7 +82,7 @@ class EngineIds:
             answer = await self.probe.ask(key, request.scheme, (request.host, request.port),
                                           request.host_header or request.host, key[4] + "/models", auth,
                                           self._upstream_ssl(), via=self._via(flow))
-            native = engine.NATIVE_APIS.get(capture.call.api)
+            native = capture.protocol.engine_native
             if native and answer != native:
                 forget(flow, capture)
             elif answer and ctx.options.stepmill_engine_inject:
@@ -106,63 +107,42 @@ class EngineIds:
             return  # the writer records it as the malformed request it is
         if not isinstance(body, dict):
             return
-        if capture.call.api == anthropic_messages.API:
-            self._messages_via_chat(flow, capture, body, kind)
-            return
-        if capture.call.api == gemini_generate.API:
-            self._gemini_via_chat(flow, capture, body, kind)
+        if capture.protocol.via_chat is not None:
+            self._via_chat(flow, capture, body, kind)
             return
         capture.added = engine.inject(body, capture.call.api, "sglang" if kind == "sglang" else "vllm")
         if capture.added:
             request.set_content(json_bytes(body))
 
     @staticmethod
-    def _messages_via_chat(flow: http.HTTPFlow, capture: Capture, body: dict, kind: str | bool) -> None:
-        """The engine's chat completions, asked for ids, in place of its /v1/messages: the step records
-        the chat exchange (exact ids); the agent gets it back as Messages."""
+    def _via_chat(flow: http.HTTPFlow, capture: Capture, body: dict, kind: str | bool) -> None:
+        """The engine's chat completions, asked for ids, serve a protocol it gives no ids for (Messages) or has
+        no endpoint for (Gemini): the step records the chat exchange (exact ids) under the agent's api, with
+        ``engine_api`` openai.chat; the agent gets the answer back in its own protocol."""
         request = flow.request
-        path = request.path.split("?", 1)[0]
-        if kind != "sglang":  # vLLM renders with its own template through /tokenize, at its root
-            capture.render_with = f"{request.scheme}://{request.host}:{request.port}{path[: -len('/v1/messages')]}"
-        if not ctx.options.stepmill_messages_via_chat:
-            capture.notes.append("stepmill_messages_via_chat is off: the engine's /v1/messages gives no token ids")
-            return
+        via = capture.protocol.via_chat
+        if via.ENGINE_ENDPOINT:  # the engine answers the call itself when it is not translated
+            if kind != "sglang":  # vLLM renders with its own template through /tokenize, at its root
+                root = via.chat_path(request.path)[: -len("/v1/chat/completions")]
+                capture.render_with = f"{request.scheme}://{request.host}:{request.port}{root}"
+            if not ctx.options.stepmill_messages_via_chat:
+                capture.notes.append("stepmill_messages_via_chat is off: the engine's own endpoint gives no token ids")
+                return
         try:
-            chat = messages_via_chat.request_to_chat(body, engine="sglang" if kind == "sglang" else "vllm")
-        except messages_via_chat.Untranslatable as exc:
-            capture.notes.append(f"sent to the engine's /v1/messages as it came, which gives no token ids ({exc})")
+            translated = via.translate(body, request.path, "sglang" if kind == "sglang" else "vllm")
+        except Exception as exc:  # a request chat cannot carry, or a body of another shape: as it came, with why
+            why = "its own endpoint gives no token ids" if via.ENGINE_ENDPOINT else \
+                "it has no endpoint for this protocol"
+            capture.notes.append(f"sent to the engine as it came, and {why} ({type(exc).__name__}: {exc})")
             return
         capture.render_with = None  # served through chat: exact ids
-        request.path = path[: -len("/messages")] + "/chat/completions"
-        request.set_content(json_bytes(chat))
+        request.path = translated.path
+        request.set_content(json_bytes(translated.chat))
         capture.raw_request = request.raw_content or b""
-        capture.call.api, capture.call.path = openai_chat.CHAT, request.path
-        capture.translated = {"model": body.get("model"), "stop_sequences": body.get("stop_sequences")}
-        capture.notes.append("an Anthropic Messages call, served through the engine's chat completions for "
-                             "exact token ids; the agent got the answer as Messages")
-
-    @staticmethod
-    def _gemini_via_chat(flow: http.HTTPFlow, capture: Capture, body: dict, kind: str | bool) -> None:
-        """An engine has no Gemini endpoint: its chat completions, asked for ids, serve the call, and the
-        agent gets the answer back as Gemini's (SSE chunks, or an array of one for the JSON-array form)."""
-        request = flow.request
-        try:
-            chat = gemini_via_chat.request_to_chat(body, request.path, engine="sglang" if kind == "sglang" else "vllm")
-        except Exception as exc:  # a body of another shape: the writer records it as it is, with why
-            capture.notes.append(f"sent to the engine as it came, which has no Gemini endpoint "
-                                 f"({type(exc).__name__}: {exc})")
-            return
-        streamed = gemini_generate.streamed_path(request.path)
-        request.path = gemini_via_chat.chat_path(request.path)
-        request.set_content(json_bytes(chat))
-        capture.raw_request = request.raw_content or b""
-        capture.call.api, capture.call.path = openai_chat.CHAT, request.path
-        capture.via = gemini_via_chat
-        capture.translated = {"model": chat["model"]}
-        if streamed and not chat.get("stream"):
-            capture.translated["array"] = True
-        capture.notes.append("a Gemini generateContent call, served through the engine's chat completions for "
-                             "exact token ids; the agent got the answer as Gemini's")
+        capture.call.engine_api, capture.call.path = CHAT_PROTOCOL.api, request.path
+        capture.protocol = CHAT_PROTOCOL  # what is on the wire from here on
+        capture.via, capture.translated = via, translated.options
+        capture.notes += [via.NOTE, *translated.notes]
 
     # -- response ---------------------------------------------------------------------------
     @staticmethod
@@ -172,7 +152,7 @@ class EngineIds:
         if capture.added and ctx.options.stepmill_engine_strip:
             rewrite = lambda payload: engine.strip(payload, capture.added)  # noqa: E731
         if capture.translated is not None:
-            translate = (capture.via or messages_via_chat).StreamTranslator(**capture.translated)
+            translate = capture.via.StreamTranslator(**capture.translated)
         return rewrite, translate
 
     @staticmethod
@@ -196,7 +176,7 @@ class EngineIds:
     @staticmethod
     def _translate_plain(response: http.Response, capture: Capture) -> None:
         """An engine's whole chat answer (or error) as the answer the agent asked for (Messages, Gemini)."""
-        via = capture.via or messages_via_chat
+        via = capture.via
         try:
             payload = json.loads(response.get_content(strict=False) or b"")
             translated = via.answer_of(payload, **capture.translated) \

@@ -24,7 +24,7 @@ from stepmill.addon.stream_tap import StreamTap
 from stepmill.auth.runs import Refused
 from stepmill.pipeline.call_record import Call, CallRecord
 from stepmill.pipeline.redaction import allowed_headers
-from stepmill.protocols import match, openai_responses, streams_json
+from stepmill.protocols import match, registry
 from stepmill.protocols.base import json_bytes
 
 log = logging.getLogger("stepmill")
@@ -34,6 +34,7 @@ class HttpCapture:
     def __init__(self, state: LoopState):
         self.state = state
         self.engine = EngineIds()
+        registry.load()  # the protocols, entry points included, before any call: requests only read them
 
     # -- connections: tags carried by a proxy credential -------------------------------------
     def http_connect(self, flow: http.HTTPFlow):
@@ -68,17 +69,16 @@ class HttpCapture:
         request = flow.request
         tagged = tagging.split_tag_path(request.path)
         api_path = tagged[1] if tagged else request.path
-        found = match(api_path)
-        if found is None:
+        protocol = match(api_path)
+        if protocol is None:
             return None  # not an LLM call: untouched
         host = request.pretty_host
         hosts = {h.strip() for value in ctx.options.stepmill_hosts for h in value.split(",") if h.strip()}
         if hosts and host not in hosts:
             return None
-        api, module = found
         index = tagging.header_index(request.headers)
         websocket = request.method == "GET" and index.get("upgrade", "").lower() == "websocket"
-        if request.method != "POST" and not (websocket and module is openai_responses):
+        if request.method != "POST" and not (websocket and protocol.websocket):
             return None
         # An LLM call: from here on the request may be changed (tags taken out, engine fields added).
         path_tags = None
@@ -105,10 +105,10 @@ class HttpCapture:
                 {"Content-Type": "application/json"})
             return None
         capture = Capture(
-            call=Call(api=api, host=host, path=request.path.split("?", 1)[0], tags=tags,
+            call=Call(api=protocol.api, host=host, path=request.path.split("?", 1)[0], tags=tags,
                       session_id=tagging.session_id(index), headers=allowed_headers(index),
                       client_conn=flow.client_conn.id, default_channel=ctx.options.stepmill_channel),
-            started=request.timestamp_start or time.time(), raw_request=request.raw_content or b"",
+            protocol=protocol, started=request.timestamp_start or time.time(), raw_request=request.raw_content or b"",
             request_encoding=index.get("content-encoding"), websocket=websocket,
         )
         flow.metadata["stepmill"] = capture
@@ -133,7 +133,7 @@ class HttpCapture:
         try:
             content_type = flow.response.headers.get("content-type", "")
             if "text/event-stream" not in content_type and "json" in content_type \
-                    and flow.response.status_code < 400 and streams_json(capture.call.api, capture.call.path):
+                    and flow.response.status_code < 400 and capture.protocol.streams_json(capture.call.path):
                 # a JSON array streamed element by element: passed on as it comes, kept as it came
                 capture.tap = StreamTap(content_encoding=flow.response.headers.get("content-encoding"),
                                         limit=ctx.options.stepmill_max_body)

@@ -24,6 +24,7 @@ from stepmill.addon.stream_tap import StreamTap
 from stepmill.auth.runs import RunTable
 from stepmill.pipeline.call_record import Call, CallRecord
 from stepmill.pipeline.service import Pipeline
+from stepmill.protocols.contract import ChatTranslation, Protocol
 
 log = logging.getLogger("stepmill")
 
@@ -40,6 +41,7 @@ class Capture:
     """What the addons know about one LLM call while it is in flight (``flow.metadata["stepmill"]``)."""
 
     call: Call
+    protocol: Protocol  # of the exchange on the wire: the agent's, or the engine's chat once translated
     started: float
     raw_request: bytes
     request_encoding: str | None
@@ -49,7 +51,7 @@ class Capture:
     notes: list[str] = field(default_factory=list)
     done: bool = False
     translated: dict | None = None  # a call served through chat: its translator's options
-    via: object = None  # the translating module: stepmill.protocols.messages_via_chat (None) or gemini_via_chat
+    via: ChatTranslation | None = None  # then, the agent's protocol's translation (Protocol.via_chat)
     render_with: str | None = None  # a vLLM engine's root, whose /tokenize renders a call it gave no ids for
 
     def record(self, kind: str, *, policy_version: str | None, keep_raw: bool, **facts) -> CallRecord:

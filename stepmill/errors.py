@@ -38,6 +38,11 @@ class ConfigError(StepmillError, ValueError):
     status = 400
 
 
+class PluginError(ConfigError):
+    """An installed plugin (an entry point another package registers) that cannot be used: the message
+    names the entry point and what is wrong with it."""
+
+
 class StoreUnavailable(StepmillError):
     """The database cannot be opened or written now (missing, locked, full, read-only, too new)."""
 

@@ -62,6 +62,7 @@ class Export:
             record["prompt_ids"] = prompt.tolist()
             record["response_ids"] = response.tolist()
             record["logprobs"] = None if logprobs is None else [float(x) for x in logprobs]
+        record["engine_api"] = row["engine_api"]
         record["params"] = request.get("params")
         record["metadata"] = loads(row["metadata"])
         record["system_changed"] = None if row["system_changed"] is None else bool(row["system_changed"])

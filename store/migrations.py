@@ -266,6 +266,26 @@ def _m013_doors(db: sqlite_utils.Database) -> None:
     db["run_credentials"].add_column("hosts", str)
 
 
+# What a call served through an engine's chat completions said of itself before engine_api (its note), and the
+# protocol the agent spoke: those steps were stored with api openai.chat.
+TRANSLATED_NOTES = {
+    "anthropic.messages": "an Anthropic Messages call, served through the engine's chat completions for exact "
+                          "token ids; the agent got the answer as Messages",
+    "gemini.generate": "a Gemini generateContent call, served through the engine's chat completions for exact "
+                       "token ids; the agent got the answer as Gemini's",
+}
+
+
+def _m014_engine_api(db: sqlite_utils.Database) -> None:
+    # A step's api is the protocol the agent spoke; engine_api, the protocol of the exchange kept (path, params, raw
+    # bodies) when the proxy served the call through another (an engine's chat completions), else NULL.
+    db["steps"].add_column("engine_api", str)
+    for api, note in TRANSLATED_NOTES.items():
+        db.execute("UPDATE steps SET api = ?, engine_api = 'openai.chat' WHERE api = 'openai.chat'"
+                   " AND metadata IS NOT NULL AND json_valid(metadata)"
+                   " AND EXISTS (SELECT 1 FROM json_each(metadata, '$.notes') WHERE value = ?)", [api, note])
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("capture", _m001_capture),
     ("tokens", _m002_tokens),
@@ -280,6 +300,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("revocations", _m011_revocations),
     ("consumption_sessions", _m012_consumption_sessions),
     ("doors", _m013_doors),
+    ("engine_api", _m014_engine_api),
 ]
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 @dataclass
 class StepRecord:
-    api: str  # openai.chat | openai.completions | openai.responses | anthropic.messages | gemini.generate | sglang.generate | control
+    api: str  # the protocol the agent spoke: a stepmill.protocols api (openai.chat, gemini.generate, …) or control
     transport: str = "http"  # http | sse | websocket
     host: str | None = None
     path: str | None = None
@@ -50,6 +50,9 @@ class StepRecord:
     logprobs: list[float] | None = None
     token_provenance: str | None = None  # exact | rendered | spliced | none
     is_last: bool = False
+    # The protocol of the exchange kept (path, params, raw bodies), when the proxy served the agent's call through
+    # another one (an engine's chat completions: openai.chat); None when it is the agent's own.
+    engine_api: str | None = None
 
 
 TOKEN_ID_LIMIT = 2**31  # ids are stored as int32

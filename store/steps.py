@@ -101,6 +101,7 @@ class Steps:
             "parent_step_id": parent_id,
             "step_index": step_index,
             "api": text_column(rec.api),
+            "engine_api": text_column(rec.engine_api),
             "transport": text_column(rec.transport),
             "host": text_column(rec.host),
             "path": text_column(rec.path),

@@ -25,11 +25,13 @@ BINARIES = {
     "aider": ("aider", ROOT / ".agents" / "aider" / "bin" / "aider"),
     "gemini-cli": ("gemini", ROOT / ".agents" / "node_modules" / ".bin" / "gemini"),
 }
-# What each step records: the simulated LLM is an engine (it says so in /v1/models), so Claude Code's
-# Messages calls are served through its chat completions, for exact ids.
-APIS = {"claude-code": "openai.chat", "codex": "openai.responses", "mini-swe-agent": "openai.chat",
+# What each step records: the protocol the agent spoke. The simulated LLM is an engine (it says so in
+# /v1/models), so Claude Code's Messages calls and Gemini CLI's generateContent calls are served through its
+# chat completions, for exact ids: their steps' engine_api is openai.chat (ENGINE_APIS).
+APIS = {"claude-code": "anthropic.messages", "codex": "openai.responses", "mini-swe-agent": "openai.chat",
         "qwen-code": "openai.chat", "opencode": "openai.chat", "aider": "openai.chat",
-        "gemini-cli": "openai.chat"}  # Gemini's generateContent, served through the engine's chat
+        "gemini-cli": "gemini.generate"}
+ENGINE_APIS = {"claude-code": "openai.chat", "gemini-cli": "openai.chat"}
 
 
 def recipe(name: str) -> str:
@@ -112,6 +114,6 @@ def test_recipe_through_the_runner(name, proxy, simulated_llm, marker, tmp_path)
     for trajectory in tool_runs:
         chain = sorted(by_trajectory[trajectory], key=lambda s: s["step_index"])
         assert chain[0]["completion"].get("tool_calls") and chain[1]["parent_step_id"] == chain[0]["step_id"]
-    assert {s["api"] for s in steps} == {APIS[name]}
+    assert {(s["api"], s["engine_api"]) for s in steps} == {(APIS[name], ENGINE_APIS.get(name))}
     assert {s["status"] for s in steps} == {"ok"}
     assert {s["token_provenance"] for s in steps} == {"exact"}, detail  # every agent, every step

@@ -32,7 +32,7 @@ def gemini(proxy):
 def test_the_paths_of_the_api_are_recognised():
     for path in ("/v1beta/models/gemini-2.5-pro:generateContent", "/v1/models/m:streamGenerateContent?alt=sse",
                  "/gateway/v1beta/models/gemini-2.5-flash:streamGenerateContent"):
-        assert match(path) == (gemini_generate.API, gemini_generate)
+        assert match(path) is gemini_generate.PROTOCOL
     assert match("/v1beta/models/gemini-2.5-pro:countTokens") is None
     assert match("/v1beta/models/gemini-2.5-pro") is None
 
@@ -124,7 +124,7 @@ def _streams(chunks: list[dict]) -> dict[str, bytes]:
 
 def _assembled(raw: bytes, cuts: list[int]):
     marks = [(end, float(i)) for i, end in enumerate(sorted(set(cuts + [len(raw)]))) if end]
-    return assemble(gemini_generate.StreamAssembler(), raw, marks, None)
+    return assemble(gemini_generate.StreamAssembler(), raw, marks, None, gemini_generate.PROTOCOL.split)
 
 
 REQUESTS = [{"contents": [{"role": "user", "parts": [{"text": "weather in Paris?"}]}], "tools": [{}]},
@@ -225,7 +225,9 @@ def test_gemini_on_an_engine_is_served_through_its_chat_with_exact_ids(proxy, si
     [after] = proxy.steps("s.messages_suffix LIKE ? AND s.parent_step_id IN "
                           "(SELECT id FROM steps WHERE messages_suffix LIKE ?)", ["%144%", f"%{marker}%"], timeout=60)
     steps = proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"], timeout=60) + [after]
-    assert {s["api"] for s in steps} == {"openai.chat"} and {s["status"] for s in steps} == {"ok"}
+    # the agent's protocol, and the engine's chat completions whose exchange the step keeps
+    assert {(s["api"], s["engine_api"]) for s in steps} == {("gemini.generate", "openai.chat")}
+    assert {s["status"] for s in steps} == {"ok"}
     assert {s["token_provenance"] for s in steps} == {"exact"}  # the ids the engine sampled, every step
     assert after["parent_step_id"] and after["messages"][-1]["role"] == "tool"
 
@@ -246,7 +248,7 @@ def test_paths_with_a_repo_id_or_a_second_version_prefix():
 
     assert gemini_generate.model_from_path("/v1beta/models/Qwen/Qwen3-8B:generateContent") == "Qwen/Qwen3-8B"
     assert gemini_generate.model_from_path("/v1beta/models/Qwen%2FQwen3-8B:streamGenerateContent") == "Qwen/Qwen3-8B"
-    assert match("/v1beta/models/Qwen/Qwen3-8B:streamGenerateContent?alt=sse")[0] == gemini_generate.API
+    assert match("/v1beta/models/Qwen/Qwen3-8B:streamGenerateContent?alt=sse").api == gemini_generate.API
     for path, chat in [("/v1beta/models/m:generateContent", "/v1/chat/completions"),
                        ("/v1/v1beta/models/m:streamGenerateContent?alt=sse", "/v1/chat/completions"),
                        ("/llm/v1beta/models/a/b:generateContent", "/llm/v1/chat/completions")]:
@@ -269,3 +271,106 @@ def test_a_call_cut_by_the_token_limit_is_not_handed_to_the_agent_to_run():
         {"index": 0, "id": "t", "function": {"name": "f", "arguments": '{"a": '}}]}, "finish_reason": "length"}]}), b""))
     last = json.loads(stream(Event(None, "[DONE]", b"")).decode()[6:])
     assert last["candidates"][0]["finishReason"] == "MAX_TOKENS" and last["candidates"][0]["content"]["parts"] == []
+
+
+# -- what the translation to chat carries, and says it does not ----------------------------------------------
+def _translated(body: dict, path: str = "/v1beta/models/m:generateContent"):
+    from stepmill.protocols import gemini_via_chat
+
+    notes: list[str] = []
+    return gemini_via_chat.request_to_chat(body, path, notes=notes), notes
+
+
+USER = [{"role": "user", "parts": [{"text": "hi"}]}]
+
+
+def test_json_mode_becomes_a_response_format():
+    schema = {"type": "OBJECT", "properties": {"city": {"type": "STRING"}, "days": {"type": "ARRAY", "items": {
+        "type": "INTEGER"}}}, "required": ["city"]}
+    chat, notes = _translated({"contents": USER, "generationConfig": {
+        "responseMimeType": "application/json", "responseSchema": schema}})
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "response", "schema": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "array", "items": {
+            "type": "integer"}}}, "required": ["city"]}}} and notes == []
+    plain = {"type": "object", "properties": {"a": {"type": ["string", "null"]}}}  # JSON Schema, as it is
+    chat, notes = _translated({"contents": USER, "generation_config": {
+        "response_mime_type": "application/json", "response_json_schema": plain}})
+    assert chat["response_format"]["json_schema"]["schema"] == plain and notes == []
+    chat, notes = _translated({"contents": USER, "generationConfig": {"responseMimeType": "application/json"}})
+    assert chat["response_format"] == {"type": "json_object"} and notes == []
+    chat, notes = _translated({"contents": USER, "generationConfig": {"responseMimeType": "text/x.enum",
+                                                                      "responseSchema": {"type": "STRING"}}})
+    assert "response_format" not in chat and notes == [
+        "generationConfig.responseMimeType 'text/x.enum' is not carried by the engine's chat completions"]
+    chat, notes = _translated({"contents": USER, "generationConfig": {"responseSchema": {"type": "STRING"}}})
+    assert "response_format" not in chat and notes == [
+        "generationConfig a response schema without JSON mode is not carried by the engine's chat completions"]
+
+
+def test_function_calling_modes_become_a_tool_choice():
+    tools = [{"functionDeclarations": [{"name": "a"}, {"name": "b"}]}]
+    for mode, expected in [("AUTO", "auto"), ("ANY", "required"), ("NONE", "none"), ("any", "required")]:
+        chat, notes = _translated({"contents": USER, "tools": tools,
+                                   "toolConfig": {"functionCallingConfig": {"mode": mode}}})
+        assert chat["tool_choice"] == expected and notes == [], mode
+    chat, notes = _translated({"contents": USER, "tools": tools, "tool_config": {"function_calling_config": {
+        "mode": "ANY", "allowed_function_names": ["b"]}}})
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "b"}} and notes == []
+    chat, notes = _translated({"contents": USER, "tools": tools, "toolConfig": {"functionCallingConfig": {
+        "mode": "ANY", "allowedFunctionNames": ["a", "b"]}}})
+    assert chat["tool_choice"] == "required" and notes == [
+        "toolConfig's allowedFunctionNames (mode ANY) ['a', 'b'] is not carried by the engine's chat completions: any "
+        "declared function may be called"]
+    chat, notes = _translated({"contents": USER, "tools": tools, "toolConfig": {"functionCallingConfig": {
+        "mode": "VALIDATED"}, "retrievalConfig": {"latLng": {}}}})
+    assert chat["tool_choice"] == "auto" and notes == [
+        "toolConfig retrievalConfig is not carried by the engine's chat completions",
+        "toolConfig's function calling mode VALIDATED is not carried by the engine's chat completions (sent as auto)"]
+
+
+def test_what_chat_cannot_carry_is_noted_and_what_it_can_is_sent():
+    chat, notes = _translated({
+        "contents": USER, "cachedContent": "cachedContents/x", "safetySettings": [{"category": "X"}],
+        "labels": {"session_id": "s"},
+        "tools": [{"functionDeclarations": [{"name": "a"}]}, {"googleSearch": {}}],
+        "generationConfig": {"temperature": 0.5, "presencePenalty": 0.1, "frequency_penalty": 0.2,
+                             "responseLogprobs": True, "logprobs": 3, "responseModalities": ["TEXT"],
+                             "thinkingConfig": {"includeThoughts": True, "thinkingBudget": 1024}}})
+    assert (chat["temperature"], chat["presence_penalty"], chat["frequency_penalty"]) == (0.5, 0.1, 0.2)
+    assert [t["function"]["name"] for t in chat["tools"]] == ["a"]
+    assert notes == [
+        "generationConfig.thinkingConfig {\"thinkingBudget\": 1024} is not carried by the engine's chat completions",
+        "generationConfig logprobs, responseLogprobs are not carried by the engine's chat completions",
+        "tools googleSearch is not carried by the engine's chat completions (function declarations are)",
+        "cachedContent, safetySettings are not carried by the engine's chat completions"]
+    # what Gemini CLI sends every turn carries whole: no note
+    chat, notes = _translated({"contents": USER, "generationConfig": {
+        "temperature": 0, "topP": 1, "thinkingConfig": {"includeThoughts": True, "thinkingBudget": -1}}})
+    assert notes == [] and (chat["temperature"], chat["top_p"]) == (0, 1)
+
+
+def test_a_translated_call_carries_its_notes():
+    from stepmill.protocols import gemini_via_chat
+
+    translated = gemini_via_chat.translate({"contents": USER, "safetySettings": []},
+                                           "/v1beta/models/m:streamGenerateContent", "vllm")
+    assert translated.path == "/v1/chat/completions" and translated.options == {"model": "m", "array": True}
+    assert translated.notes == ["safetySettings is not carried by the engine's chat completions"]
+
+
+def test_on_an_engine_what_the_chat_request_does_not_carry_is_on_the_step(proxy, simulated_llm, marker):
+    import ssl
+
+    verify = ssl.create_default_context(cafile=proxy.env["SSL_CERT_FILE"])
+    body = {"contents": [{"role": "user", "parts": [{"text": f"[{marker}] What is 2 + 2?"}]}],
+            "tools": [{"functionDeclarations": [{"name": "Bash", "parameters": {"type": "OBJECT"}}]}],
+            "toolConfig": {"functionCallingConfig": {"mode": "NONE"}},
+            "safetySettings": [{"category": "HARM_CATEGORY_HATE_SPEECH", "threshold": "BLOCK_NONE"}]}
+    with httpx.Client(proxy=proxy.url, verify=verify, timeout=30, trust_env=False) as http:
+        answer = http.post(f"{simulated_llm.url.removesuffix('/v1')}/v1beta/models/gemini-sim:generateContent",
+                           json=body)
+    assert answer.status_code == 200 and answer.json()["candidates"][0]["finishReason"] == "STOP"
+    [step] = proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"])
+    assert (step["api"], step["engine_api"], step["token_provenance"]) == ("gemini.generate", "openai.chat", "exact")
+    assert step["params"]["tool_choice"] == "none"  # the chat request the engine got
+    assert "safetySettings is not carried by the engine's chat completions" in step["metadata"]["notes"]

@@ -18,6 +18,7 @@ from stepmill.protocols import anthropic_messages
 from stepmill.protocols import gemini_generate
 from stepmill.protocols import openai_chat
 from stepmill.protocols import openai_responses
+from stepmill.protocols import by_api
 from stepmill.pipeline.call_record import Call
 from stepmill.addon.stream_tap import StreamTap
 from stepmill.protocols.streams import assemble
@@ -109,11 +110,12 @@ def store(tmp_path_factory):
 
 
 def _record(store, module, api, raw_request: bytes, response):
-    request, _, parse_error = recording.parse_request(module, api, raw_request)
+    protocol = by_api(api)
+    request, _, parse_error = recording.parse_request(protocol, raw_request)
     if isinstance(response, dict):
-        completion = recording.parse_response(module, api, response)
+        completion = recording.parse_response(protocol, response)
     else:
-        completion = recording.parse_response(module, api, {"unexpected": response})
+        completion = recording.parse_response(protocol, {"unexpected": response})
     raw_response = json.dumps(response).encode()
     before = store.query("SELECT coalesce(max(rowid), 0) AS n FROM steps")[0]["n"]
     messages = request.messages if request else []

@@ -460,14 +460,14 @@ SHORT_CALLS = {
 
 @pytest.mark.parametrize("name", ["mini-swe-agent", "codex", "claude-code", "qwen-code", "opencode", "aider", "gemini-cli"])
 def test_recipe_against_the_real_vllm(name, engine_proxy, vllm, marker, tmp_path):
-    from .test_agent_recipes import APIS, run_recipe
+    from .test_agent_recipes import APIS, ENGINE_APIS, run_recipe
 
     done, trajectories, detail = run_recipe(
         name, engine_proxy, vllm.url, vllm.model, marker, tmp_path, tasks=1, timeout=150,
         agent_edit=lambda text: text.replace(*SHORT_CALLS[name]) if name in SHORT_CALLS else text)
     steps = engine_proxy.steps("s.trajectory_id LIKE ?", [f"{name}-{marker}-%"], count=2)
     print(name, done.stderr[-300:], [(s["api"], s["status"], s["token_provenance"]) for s in steps])
-    assert {s["api"] for s in steps} == {APIS[name]}, detail
+    assert {(s["api"], s["engine_api"]) for s in steps} == {(APIS[name], ENGINE_APIS.get(name))}, detail
     assert {s["token_provenance"] for s in steps} == {"exact"}, detail
     if name == "claude-code":
         # Random weights rarely sample the end, and Claude Code treats a max_tokens stop as an error of its
@@ -513,7 +513,8 @@ def test_messages_exact_ids_through_chat(engine_proxy, vllm, marker, mode, strea
     content = f"Messages {mode} {streamed}: say something."
     _messages(engine_proxy, vllm, mode, f"msg-{mode}-{streamed}-{marker}", streamed, content)
     [step] = engine_proxy.trajectory_steps(f"msg-{mode}-{streamed}-{marker}", 1)
-    assert step["token_provenance"] == "exact" and step["api"] == "openai.chat"
+    assert step["token_provenance"] == "exact"
+    assert (step["api"], step["engine_api"]) == ("anthropic.messages", "openai.chat")
     body = {"model": vllm.model, "max_tokens": 16, "temperature": 0, "return_token_ids": True,
             "messages": [{"role": "user", "content": content}]}
     expected = post(direct(vllm), f"{vllm.url}/chat/completions", body)

@@ -145,8 +145,8 @@ def test_anthropic_messages_for_claude_code(proxy, simulated_llm, marker, stream
     # An engine host: each Messages call went to its chat completions, asked for ids; the agent got
     # Messages back (above), the step holds the exact ids the engine sampled.
     steps = proxy.steps("s.messages_suffix LIKE ?", [f"%{marker}%"], count=2)
-    assert {s["api"] for s in steps} == {"openai.chat"} and {s["status"] for s in steps} == {"ok"}
-    assert {s["token_provenance"] for s in steps} == {"exact"}
+    assert {(s["api"], s["engine_api"]) for s in steps} == {("anthropic.messages", "openai.chat")}
+    assert {s["status"] for s in steps} == {"ok"} and {s["token_provenance"] for s in steps} == {"exact"}
     # The tool's result goes back as Claude Code sends it: the next step continues the tool call's step.
     message, call = last_call
     follow = messages + [{"role": "assistant", "content": [b.model_dump() for b in message.content]},

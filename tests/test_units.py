@@ -94,5 +94,5 @@ def test_split_against_lists_and_arrays():
 def test_only_sglangs_own_generate_path_is_an_llm_call():
     from stepmill.protocols import match
 
-    assert match("/generate")[0] == "sglang.generate" and match("/generate?x=1")[0] == "sglang.generate"
+    assert match("/generate").api == "sglang.generate" and match("/generate?x=1").api == "sglang.generate"
     assert match("/api/generate") is None  # Ollama's, and any other service's, pass untouched

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from stepmill.protocols import by_api
 from stepmill.store import Store
 
 from stepmill.trainer_bridge.render import Rendered, Renderer, load_tokenizer, template_tools
@@ -67,7 +68,8 @@ def _render_one(store: Store, renderer: Renderer, step_id: str, splice: bool):
     completion = record["completion"]
     if not completion:
         return None, None
-    if record["api"] == "openai.completions":  # no chat template: the prompt is the text itself
+    protocol = by_api(record.get("engine_api") or record["api"])  # the protocol of the kept exchange
+    if protocol is not None and protocol.prompt_is_text:  # no chat template: the prompt is the text itself
         prompt = (record["params"] or {}).get("prompt")
         if not isinstance(prompt, str):
             return None, None

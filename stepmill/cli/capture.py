@@ -35,9 +35,11 @@ def proxy(port, host, control_port, workers, db, confdir, mitmproxy_args):
     are the same as `--confdir`, `--db`, `--host`, `--port`.
     """
     from stepmill.auth.write_token import ENV, ensure_token, token_path
+    from stepmill.protocols import registry
     from stepmill.proxy_master import default_workers, run, supervise
     from stepmill.runner.proxy_env import ensure_bundle, ensure_ca
 
+    registry.load()  # a broken protocol plugin stops the proxy here, with its entry point named
     extra, own = take_own_options(list(mitmproxy_args))
     db, confdir, host = own.get("db", db), own.get("confdir", confdir), own.get("host", host)
     try:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from stepmill import tags as tagging
 from stepmill.pipeline.journal import decode_entry, entry_parts
+from stepmill.protocols import protocols
+from stepmill.protocols.openai_chat import CHAT
 
 VERSION = 2
 KINDS = ("http", "sse", "websocket", "failure")  # a whole body, a tapped stream, a WebSocket turn, a hook that failed
@@ -26,14 +28,20 @@ KINDS = ("http", "sse", "websocket", "failure")  # a whole body, a tapped stream
 class Call:
     """Who made a call and where it went: everything a step needs besides the exchange itself."""
 
-    api: str
+    api: str  # the protocol the agent spoke
     host: str
-    path: str
+    path: str  # where the request went (the engine's chat completions, for a translated call)
     tags: tagging.Tags = field(default_factory=tagging.Tags)
     session_id: str | None = None
     headers: dict | None = None  # allowlisted (redaction.allowed_headers), values redacted before the journal
     client_conn: str | None = None
     default_channel: str | None = None
+    engine_api: str | None = None  # the protocol of the exchange kept, when the proxy translated the call to it
+
+    @property
+    def wire_api(self) -> str:
+        """The protocol the kept bodies are in: the engine's, for a translated call, else the agent's."""
+        return self.engine_api or self.api
 
 
 @dataclass
@@ -89,6 +97,11 @@ class CallRecord:
         else:
             call = _call_from(header.get("call") or {})
         marks = header.get("marks")
+        notes = list(header.get("notes") or [])
+        if call.engine_api is None and call.api == CHAT and notes:
+            # journaled before engine_api: a translated call was the engine's chat exchange, and only its note
+            # said whose call it was
+            call.api, call.engine_api = _translated_from(notes) or (call.api, None)
         return cls(
             kind=header.get("kind") or "http", call=call, started=header.get("started") or 0.0,
             ended=header.get("ended"), version=version, render_with=header.get("render_with"),
@@ -98,7 +111,7 @@ class CallRecord:
             http_status=header.get("http_status"), websocket_upgrade=bool(header.get("websocket_upgrade")),
             response_started=header.get("response_started"), received=header.get("received"),
             marks=None if marks is None else [(end, at) for end, at in marks],
-            notes=list(header.get("notes") or []), cut=header.get("cut"),
+            notes=notes, cut=header.get("cut"),
             frames=[(at, index) for at, index in header.get("frames") or []],
             request_problem=header.get("request_problem"), response_problem=header.get("response_problem"),
             truncated=list(header.get("truncated") or []))
@@ -117,11 +130,20 @@ def _call_header(call: Call) -> dict:
     return {"api": call.api, "host": call.host, "path": call.path,
             "tags": [call.tags.trajectory_id, call.tags.group_id, call.tags.channel],
             "session_id": call.session_id, "headers": call.headers, "client_conn": call.client_conn,
-            "default_channel": call.default_channel}
+            "default_channel": call.default_channel, "engine_api": call.engine_api}
+
+
+def _translated_from(notes: list[str]) -> tuple[str, str] | None:
+    """(the agent's api, the engine's) of a call an earlier release journaled as the engine's chat exchange."""
+    for protocol in protocols():
+        if protocol.via_chat is not None and protocol.via_chat.NOTE in notes:
+            return protocol.api, CHAT
+    return None
 
 
 def _call_from(header: dict) -> Call:
     tags = header.get("tags") or [None, None, None]
     return Call(api=header.get("api") or "", host=header.get("host") or "", path=header.get("path") or "",
                 tags=tagging.Tags(*tags), session_id=header.get("session_id"), headers=header.get("headers"),
-                client_conn=header.get("client_conn"), default_channel=header.get("default_channel"))
+                client_conn=header.get("client_conn"), default_channel=header.get("default_channel"),
+                engine_api=header.get("engine_api"))

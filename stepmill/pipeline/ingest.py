@@ -14,8 +14,7 @@ from collections.abc import Callable
 
 from stepmill.errors import StoreUnavailable
 from stepmill.store import Store
-from stepmill.protocols import MODULES, Completion, ParsedRequest, ProtocolError
-from stepmill.protocols import openai_responses
+from stepmill.protocols import Completion, ParsedRequest, Protocol, ProtocolError, by_api
 from stepmill.protocols.base import load_json_object
 from stepmill.protocols.streams import assemble, decode_kept
 from stepmill.pipeline import engine_render
@@ -75,8 +74,17 @@ class Ingest:
                                    raw_response=blobs[1] if len(blobs) > 1 else None, call=record.call)
 
     # -- HTTP and SSE -----------------------------------------------------------------------
+    @staticmethod
+    def _protocol(call: Call) -> Protocol:
+        """The protocol of the kept bodies: the engine's for a call served through its chat completions."""
+        protocol = by_api(call.wire_api)
+        if protocol is None:
+            raise ProtocolError(f"no protocol {call.wire_api!r} is installed (an entry point of stepmill.protocols)")
+        return protocol
+
     def _http(self, call: Call, record: CallRecord, blobs: list[bytes]) -> Callable[[], str]:
-        module = MODULES[call.api]
+        protocol = self._protocol(call)
+        api = protocol.api
         raw_request, raw_response = blobs[0], blobs[1] if len(blobs) > 1 else b""
         request_body, problem = decoded(raw_request, record.request_encoding)
         problem = record.request_problem or problem  # the handoff could not decode it
@@ -84,15 +92,15 @@ class Ingest:
         if record.websocket_upgrade:
             parse_error = None  # a refused upgrade: the GET has no body to parse
         elif not problem:
-            request, _, parse_error = recording.parse_request(module, call.api, request_body)
-            if request is not None and hasattr(module, "from_path"):  # a protocol that names the model in the path
-                module.from_path(request, call.path)
+            request, _, parse_error = recording.parse_request(protocol, request_body)
+            if request is not None and protocol.from_path is not None:  # a protocol that names the model in the path
+                protocol.from_path(request, call.path)
         notes = list(record.notes)
         error = record.error
         ttft = None
         if record.kind == "sse":
-            result = assemble(module.StreamAssembler(call.api), raw_response, record.marks or [],
-                              record.response_encoding)
+            result = assemble(protocol.StreamAssembler(api), raw_response, record.marks or [],
+                              record.response_encoding, protocol.split)
             completion = result.completion
             if error and not result.terminal:
                 # Clients close (or reset an HTTP/2 stream) right after the last event: only a stream
@@ -121,11 +129,11 @@ class Ingest:
                 completion = Completion(status="error", error=problem)
             else:
                 try:
-                    payload = getattr(module, "load_response", load_json_object)(body, "response body")
+                    payload = protocol.load_response(body, "response body")
                 except ProtocolError as exc:
                     completion = Completion(status="error", error=str(exc))
                 else:
-                    completion = recording.parse_response(module, call.api, payload)
+                    completion = recording.parse_response(protocol, payload)
             if error and status is not None and completion.status == "ok":
                 completion.status, completion.error = "incomplete", error
         if record.truncated:  # cut for recording (stepmill_max_body): what was kept is not the whole call
@@ -158,12 +166,13 @@ class Ingest:
         frames = record.frames  # (time, blob index) of the server frames; blob 0 is the request
         raw_request = blobs[0]
         request, parse_error = None, None
+        protocol = self._protocol(call)  # Responses: the one protocol with WebSocket turns
         try:
             payload = load_json_object(raw_request, "response.create frame")
-            request = openai_responses.parse_request(payload)
+            request = protocol.parse_request(payload, protocol.api)
         except Exception as exc:
             parse_error = f"response.create does not have the Responses shape: {type(exc).__name__}: {exc}"
-        assembler = openai_responses.StreamAssembler()
+        assembler = protocol.StreamAssembler(protocol.api)
         first_output_at = None
         for at, index in frames:
             try:

@@ -10,14 +10,13 @@ a full step, else an ``error`` step with what did parse and the raw bytes, else 
 from __future__ import annotations
 
 import logging
-from types import ModuleType
 
 from stepmill.errors import StoreUnavailable
 from stepmill.store import Store
 from stepmill.store.ids import iso
 from stepmill.store.records import StepRecord
 
-from stepmill.protocols import Completion, ParsedRequest, ProtocolError
+from stepmill.protocols import Completion, ParsedRequest, Protocol, ProtocolError
 from stepmill.protocols.base import load_json_object
 from stepmill.pipeline.call_record import Call
 from stepmill.pipeline.redaction import redact_bytes, redact_json, redact_text
@@ -28,8 +27,9 @@ log = logging.getLogger("stepmill")
 # later instead of recording it as a failure.
 
 
-def parse_request(module: ModuleType, api: str, raw: bytes) -> tuple[ParsedRequest | None, dict | None, str | None]:
+def parse_request(protocol: Protocol, raw: bytes) -> tuple[ParsedRequest | None, dict | None, str | None]:
     """(parsed request, JSON body, error). Never raises."""
+    api = protocol.api
     try:
         body = load_json_object(raw, "request body")
     except ProtocolError as exc:
@@ -37,19 +37,21 @@ def parse_request(module: ModuleType, api: str, raw: bytes) -> tuple[ParsedReque
     except RecursionError:
         return None, None, "request body is nested too deeply to parse"
     try:
-        return module.parse_request(body, api), body, None
+        return protocol.parse_request(body, api), body, None
     except Exception as exc:
         return None, body, f"request body does not have the {api} shape: {type(exc).__name__}: {exc}"
 
 
-def parse_response(module: ModuleType, api: str, payload: dict) -> Completion:
+def parse_response(protocol: Protocol, payload: dict) -> Completion:
     """The completion of a whole (non-streamed) response body. Never raises."""
+    api = protocol.api
     try:
-        return module.parse_response(payload, api)
+        return protocol.parse_response(payload, api)
     except Exception as exc:
+        response_id = payload.get("id") if isinstance(payload, dict) else None  # a JSON array has none
         return Completion(status="error", error=f"response body does not have the {api} shape: "
                                                 f"{type(exc).__name__}: {exc}",
-                          response_id=payload.get("id") if isinstance(payload.get("id"), str) else None)
+                          response_id=response_id if isinstance(response_id, str) else None)
 
 
 def step_records(call: Call, request: ParsedRequest | None, parse_error: str | None, completion: Completion,
@@ -70,6 +72,7 @@ def step_records(call: Call, request: ParsedRequest | None, parse_error: str | N
             status, error = "error", parse_error + (f"; {error}" if error else "")
         records.append(StepRecord(
             api=call.api,
+            engine_api=call.engine_api,
             transport=transport,
             host=call.host,
             path=call.path,
@@ -151,7 +154,8 @@ def save(store: Store, records: list[StepRecord], call: Call, *, started: float,
     first = records[0] if records else None
     try:
         store.record_step(StepRecord(
-            api=call.api, transport=transport, host=call.host, path=call.path, status="error",
+            api=call.api, engine_api=call.engine_api, transport=transport, host=call.host, path=call.path,
+            status="error",
             error=redact_text(problem), started_at=iso(started), headers=call.headers,
             model=first.model if first else None, response_id=first.response_id if first else None,
             messages=first.messages if first else [], wire_messages=first.wire_messages if first else [],
@@ -178,7 +182,7 @@ def save_bare(store: Store, api: str, problem: str, *, started: float, transport
                 api=str(api), transport=transport, status="error", error=redact_text(problem),
                 started_at=iso(started), raw_request=redact_bytes(raw_request), raw_response=redact_bytes(raw_response),
                 **({} if who is None else {
-                    "host": who.host, "path": who.path, "headers": who.headers,
+                    "host": who.host, "path": who.path, "headers": who.headers, "engine_api": who.engine_api,
                     "trajectory_id": who.tags.trajectory_id, "group_id": who.tags.group_id,
                     "channel": who.tags.channel, "default_channel": who.default_channel,
                     "client_conn": who.client_conn})))

@@ -8,6 +8,8 @@ from typing import Any
 
 from stepmill.protocols.base import (AssistantBuilder, Completion, ParsedRequest, ProtocolError, canonical_content,
                                      tool_call, usage_of)
+from stepmill.protocols import messages_via_chat
+from stepmill.protocols.contract import Protocol
 
 API = "anthropic.messages"
 KNOWN_EVENTS = {
@@ -232,3 +234,8 @@ class StreamAssembler:
             error=error,
             notes=list(self.notes),
         )
+
+
+# With or without ?beta=true (the query is not matched).
+PROTOCOL = Protocol(api=API, path=r"/v1/messages$", parse_request=parse_request, parse_response=parse_response,
+                    StreamAssembler=StreamAssembler, via_chat=messages_via_chat)

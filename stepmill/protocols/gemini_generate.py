@@ -20,6 +20,8 @@ from typing import Any, Iterator
 
 from stepmill.protocols.base import (AssistantBuilder, Completion, ParsedRequest, ProtocolError, canonical_content,
                                      load_json_object, tool_call, usage_of)
+from stepmill.protocols.contract import Protocol
+from stepmill.protocols.sse import events_of
 
 API = "gemini.generate"
 # …/models/{model}:generateContent, under any version prefix (v1, v1beta, v1alpha) or gateway path
@@ -222,6 +224,12 @@ def json_array_events(raw: bytes) -> Iterator[tuple[int, None, str]]:
                 start = None
 
 
+def split_stream(raw: bytes) -> Iterator[tuple[int, str | None, str]]:
+    """A stream's events, whichever of its two forms it came in."""
+    head = raw.lstrip()[:1]
+    return json_array_events(raw) if head == b"[" else events_of(raw)
+
+
 class StreamAssembler:
     """Rebuilds a response from its chunks (SSE events or a JSON array's elements): text and thought
     deltas joined, function calls kept whole and in order, the last usage, the candidate's
@@ -241,14 +249,6 @@ class StreamAssembler:
     @property
     def terminal(self) -> bool:
         return self.finished or self.error is not None
-
-    @staticmethod
-    def split(raw: bytes) -> Iterator[tuple[int, str | None, str]]:
-        """The stream's events, whichever of its two forms it came in."""
-        from stepmill.protocols.sse import events_of
-
-        head = raw.lstrip()[:1]
-        return json_array_events(raw) if head == b"[" else events_of(raw)
 
     def feed(self, event: str | None, data: str) -> None:
         self.feed_parsed(event, json.loads(data))
@@ -311,3 +311,10 @@ class StreamAssembler:
             error=error,
             notes=list(self.notes),
         )
+
+
+from stepmill.protocols import gemini_via_chat  # noqa: E402 (it reads this module's names: imported once they are)
+
+PROTOCOL = Protocol(api=API, path=PATH, parse_request=parse_request, parse_response=parse_response,
+                    StreamAssembler=StreamAssembler, load_response=load_response, from_path=from_path,
+                    split=split_stream, streamed_path=streamed_path, via_chat=gemini_via_chat)

@@ -19,10 +19,14 @@ import json
 import re
 from typing import Any
 
-from stepmill.protocols.gemini_generate import PATH, _get, _parts, model_from_path, tools_of
+from stepmill.protocols.contract import Translated
+from stepmill.protocols.gemini_generate import PATH, _get, _parts, model_from_path, streamed_path, tools_of
 from stepmill.protocols.openai_chat import reasoning_of
 from stepmill.protocols.via_chat import ChatStreamTranslator, error_message, tool_arguments
 
+ENGINE_ENDPOINT = False  # engines have no Gemini endpoint
+NOTE = ("a Gemini generateContent call, served through the engine's chat completions for exact token ids; the agent "
+        "got the answer as Gemini's")
 FINISH = {"stop": "STOP", "tool_calls": "STOP", "function_call": "STOP", "length": "MAX_TOKENS", "abort": "OTHER"}
 
 
@@ -99,8 +103,76 @@ def messages_of(body: dict) -> list[dict]:
     return out
 
 
-def request_to_chat(body: dict, path: str, engine: str = "vllm") -> dict:
-    """The Gemini request as the chat request that asks the engine for the same sample, with ids."""
+# generationConfig fields with a chat parameter of the same meaning
+SAMPLING = (("temperature", "temperature"), ("topP", "top_p"), ("topK", "top_k"), ("maxOutputTokens", "max_tokens"),
+            ("stopSequences", "stop"), ("seed", "seed"), ("candidateCount", "n"), ("presencePenalty", "presence_penalty"),
+            ("frequencyPenalty", "frequency_penalty"))
+# read below (responseMimeType with its schema, thinkingConfig, responseModalities)
+CONFIG_READ = {gemini for gemini, _ in SAMPLING} | {"responseMimeType", "responseSchema", "responseJsonSchema",
+                                                    "thinkingConfig", "responseModalities"}
+# top-level fields: the conversation, the tools (read where they are), and the agent's own bookkeeping
+BODY_READ = {"contents", "systemInstruction", "tools", "toolConfig", "generationConfig", "model", "labels"}
+TOOL_CHOICE = {"AUTO": "auto", "ANY": "required", "NONE": "none", "MODE_UNSPECIFIED": "auto"}
+
+
+def _not_carried(notes: list[str], where: str, names: list[str], why: str = "") -> None:
+    """A note that ``names`` (fields of ``where``, or values) do not reach the engine."""
+    if names:
+        verb = "is" if len(names) == 1 else "are"
+        notes.append(f"{where}{', '.join(names)} {verb} not carried by the engine's chat completions{why}")
+
+
+def _camel(key: str) -> str:
+    """A field name in Gemini's JSON spelling: ``response_mime_type`` → ``responseMimeType``."""
+    head, *rest = key.split("_")
+    return head + "".join(word[:1].upper() + word[1:] for word in rest)
+
+
+def _response_format(config: dict, notes: list[str]) -> dict | None:
+    """Gemini's JSON mode as chat's ``response_format`` (vLLM and SGLang constrain decoding to it)."""
+    mime = _get(config, "responseMimeType")
+    schema, json_schema = _get(config, "responseSchema"), _get(config, "responseJsonSchema")
+    if mime in (None, "text/plain"):
+        if schema is not None or json_schema is not None:
+            _not_carried(notes, "generationConfig ", ["a response schema without JSON mode"])
+        return None
+    if mime != "application/json":
+        _not_carried(notes, "generationConfig.responseMimeType ", [repr(mime)])
+        return None
+    if json_schema is not None:
+        return {"type": "json_schema", "json_schema": {"name": "response", "schema": json_schema}}
+    if schema is not None:
+        return {"type": "json_schema", "json_schema": {"name": "response", "schema": _lower_types(schema)}}
+    return {"type": "json_object"}
+
+
+def _tool_choice(body: dict, notes: list[str]) -> Any:
+    """``toolConfig.functionCallingConfig`` as chat's ``tool_choice`` (None: the engine's default, auto)."""
+    tool_config = _get(body, "toolConfig")
+    if tool_config is None:
+        return None
+    calling = _get(tool_config, "functionCallingConfig") if isinstance(tool_config, dict) else None
+    rest = sorted(_camel(k) for k in tool_config if _camel(k) != "functionCallingConfig") \
+        if isinstance(tool_config, dict) else [repr(tool_config)]
+    _not_carried(notes, "toolConfig ", rest)
+    if not isinstance(calling, dict):
+        return None
+    mode = str(_get(calling, "mode") or "AUTO").upper()
+    names = _get(calling, "allowedFunctionNames") or []
+    if mode == "ANY" and isinstance(names, list) and len(names) == 1:
+        return {"type": "function", "function": {"name": names[0]}}
+    if names:
+        _not_carried(notes, f"toolConfig's allowedFunctionNames (mode {mode}) ", [repr(names)],
+                     ": any declared function may be called")
+    if mode not in TOOL_CHOICE:
+        _not_carried(notes, "toolConfig's function calling mode ", [mode], " (sent as auto)")
+    return TOOL_CHOICE.get(mode, "auto")
+
+
+def request_to_chat(body: dict, path: str, engine: str = "vllm", notes: list[str] | None = None) -> dict:
+    """The Gemini request as the chat request that asks the engine for the same sample, with ids. What the
+    chat request cannot carry is said in ``notes`` (a list this appends to), field by field."""
+    notes = [] if notes is None else notes
     chat: dict = {"model": model_from_path(path) or body.get("model"), "messages": messages_of(body),
                   "logprobs": True}
     if engine == "sglang":
@@ -108,20 +180,51 @@ def request_to_chat(body: dict, path: str, engine: str = "vllm") -> dict:
     else:
         chat["return_token_ids"] = True
     config = _get(body, "generationConfig") or {}
-    for gemini, name in (("temperature", "temperature"), ("topP", "top_p"), ("topK", "top_k"),
-                         ("maxOutputTokens", "max_tokens"), ("stopSequences", "stop"), ("seed", "seed"),
-                         ("candidateCount", "n")):
+    for gemini, name in SAMPLING:
         value = _get(config, gemini)
         if value is not None:
             chat[name] = value
+    response_format = _response_format(config, notes)
+    if response_format is not None:
+        chat["response_format"] = response_format
+    thinking = _get(config, "thinkingConfig")
+    # The engine's reasoning comes back as thought parts: includeThoughts true is what it does; a budget of -1 (the
+    # model decides) is what an engine's model does.
+    unheld = {_camel(k): v for k, v in thinking.items()} if isinstance(thinking, dict) else {}
+    if unheld.get("includeThoughts") is True:
+        del unheld["includeThoughts"]
+    if unheld.get("thinkingBudget") == -1:
+        del unheld["thinkingBudget"]
+    _not_carried(notes, "generationConfig.thinkingConfig ", [json.dumps(unheld, sort_keys=True)] if unheld else [])
+    modalities = _get(config, "responseModalities")
+    if modalities and [str(m).upper() for m in modalities] != ["TEXT"]:
+        _not_carried(notes, "generationConfig.responseModalities ", [repr(modalities)], ": the engine answers text")
+    _not_carried(notes, "generationConfig ", sorted(k for k in map(_camel, config) if k not in CONFIG_READ))
     tools = tools_of(body)
     if tools:
         chat["tools"] = [{**t, "function": {**t["function"], "parameters": _lower_types(t["function"]["parameters"])}}
                          for t in tools]
+    other_tools = {_camel(k) for t in body.get("tools") or [] if isinstance(t, dict) for k in t}
+    _not_carried(notes, "tools ", sorted(other_tools - {"functionDeclarations"}), " (function declarations are)")
+    tool_choice = _tool_choice(body, notes)
+    if tool_choice is not None:
+        chat["tool_choice"] = tool_choice
+    _not_carried(notes, "", sorted(k for k in map(_camel, body) if k not in BODY_READ))
     if "?alt=sse" in path or "&alt=sse" in path:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     return chat
+
+
+def translate(body: dict, path: str, engine: str = "vllm") -> Translated:
+    """The call for the engine's chat completions, what the answer's translation back needs (an array of one
+    for a JSON-array stream), and what the chat request could not carry."""
+    notes: list[str] = []
+    chat = request_to_chat(body, path, engine, notes)
+    options = {"model": chat["model"]}
+    if streamed_path(path) and not chat.get("stream"):
+        options["array"] = True
+    return Translated(chat, chat_path(path), options, notes)
 
 
 def _usage(usage: dict | None) -> dict:

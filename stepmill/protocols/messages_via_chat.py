@@ -16,6 +16,7 @@ import json
 import uuid
 from typing import Any
 
+from stepmill.protocols.contract import Translated
 from stepmill.protocols.openai_chat import reasoning_of
 from stepmill.protocols.via_chat import ChatStreamTranslator, error_message, tool_arguments
 
@@ -23,8 +24,24 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
                 "abort": "end_turn"}
 
 
+ENGINE_ENDPOINT = True  # vLLM and SGLang serve /v1/messages themselves (without ids)
+NOTE = ("an Anthropic Messages call, served through the engine's chat completions for exact token ids; the agent "
+        "got the answer as Messages")
+
+
 class Untranslatable(ValueError):
     """A Messages request the chat protocol cannot carry: it goes to the engine's /v1/messages as is."""
+
+
+def chat_path(path: str) -> str:
+    """The engine's chat completions beside its Messages endpoint: ``/x/v1/messages`` → ``/x/v1/chat/completions``."""
+    return path.split("?", 1)[0].rstrip("/").removesuffix("/messages") + "/chat/completions"
+
+
+def translate(body: dict, path: str, engine: str = "vllm") -> Translated:
+    """The call for the engine's chat completions, and what the answer's translation back needs."""
+    return Translated(request_to_chat(body, engine), chat_path(path),
+                      {"model": body.get("model"), "stop_sequences": body.get("stop_sequences")})
 
 
 # -- request --------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 
 from stepmill.protocols.base import (AssistantBuilder, Completion, DoneTerminatedStream, ParsedRequest, ProtocolError,
                                      canonical_content, tool_call, usage_of)
+from stepmill.protocols.contract import Protocol
 
 CHAT = "openai.chat"
 COMPLETIONS = "openai.completions"
@@ -274,3 +275,11 @@ class StreamAssembler(DoneTerminatedStream):
             response_ids=state["ids"] if state["has_ids"] else state.get("ids_from_logprobs"),
             logprobs=state["logprobs"] if state["has_logprobs"] else None,
         )
+
+
+CHAT_PROTOCOL = Protocol(api=CHAT, path=r"/chat/completions$", parse_request=parse_request,
+                         parse_response=parse_response, StreamAssembler=StreamAssembler, engine_ids="chat")
+COMPLETIONS_PROTOCOL = Protocol(api=COMPLETIONS, path=r"/v1/completions$", parse_request=parse_request,
+                                parse_response=parse_response, StreamAssembler=StreamAssembler,
+                                engine_ids="completions", prompt_is_text=True)
+PROTOCOLS = (CHAT_PROTOCOL, COMPLETIONS_PROTOCOL)

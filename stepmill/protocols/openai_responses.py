@@ -12,6 +12,7 @@ from typing import Any
 
 from stepmill.protocols.base import (AssistantBuilder, Completion, ParsedRequest, ProtocolError, canonical_content,
                                      tool_call, usage_of)
+from stepmill.protocols.contract import Protocol
 
 # WebSocket frames, recognised on the event loop without parsing them: the one that starts a turn
 # and the ones that end it.
@@ -253,3 +254,9 @@ class StreamAssembler:
             completion.status, completion.error = "error", "; ".join(self.notes)
         completion.notes = completion.notes + list(self.notes)
         return completion
+
+
+# Codex's ChatGPT login speaks it at /codex/responses; a WebSocket upgrade there is a connection of turns.
+PROTOCOL = Protocol(api=API, path=r"/(v1|codex)/responses$", parse_request=parse_request,
+                    parse_response=parse_response, StreamAssembler=StreamAssembler, websocket=True,
+                    engine_ids="responses")

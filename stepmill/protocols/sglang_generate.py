@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from stepmill.protocols.base import Completion, DoneTerminatedStream, ParsedRequest, ProtocolError, usage_of
+from stepmill.protocols.contract import Protocol
 
 API = "sglang.generate"
 
@@ -115,3 +116,9 @@ class StreamAssembler(DoneTerminatedStream):
             completion.status, completion.error = "incomplete", "stream ended before [DONE]"
         completion.notes = list(self.notes)
         return completion
+
+
+# SGLang's native endpoint, at the server's root (Ollama's /api/generate and the like are no match); recorded
+# only on hosts the probe (or the setting) says are SGLang.
+PROTOCOL = Protocol(api=API, path=r"^/generate$", parse_request=parse_request, parse_response=parse_response,
+                    StreamAssembler=StreamAssembler, engine_ids="generate", engine_native="sglang")

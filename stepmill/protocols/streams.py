@@ -116,21 +116,22 @@ class Assembled:
     terminal: bool
 
 
-def assemble(assembler, raw: bytes, marks: list, content_encoding: str | None) -> Assembled:
+def assemble(assembler, raw: bytes, marks: list, content_encoding: str | None, split=events_of) -> Assembled:
     """Off the loop: rebuild the completion from the upstream's bytes, chunk by chunk as they came,
-    so the time of the first output event is known. Never raises."""
+    so the time of the first output event is known. ``split``: the protocol's events (``Protocol.split``:
+    SSE unless it streams otherwise). Never raises."""
     data, marks, problem, _ = decode_kept(bytes(raw), content_encoding, marks)
     bounds = list(marks) if marks else ([(len(data), None)] if data else [])
-    return _assemble_plain(assembler, data, bounds, [problem] if problem else [])
+    return _assemble_plain(assembler, data, bounds, [problem] if problem else [], split)
 
 
-def _assemble_plain(assembler, raw: bytes, bounds: list, notes: list[str]) -> Assembled:
+def _assemble_plain(assembler, raw: bytes, bounds: list, notes: list[str], split) -> Assembled:
     """A decoded stream, split at once; the first output event's time is that of the chunk it
     arrived in (the first mark at or past its end)."""
     first_output_at = None
     ends = [end for end, _ in bounds]
     try:
-        for end, name, data in getattr(assembler, "split", events_of)(raw):  # SSE, unless the protocol says
+        for end, name, data in split(raw):
             _feed(assembler, Event(name, data, b""), notes)
             if first_output_at is None and assembler.output_started and ends:
                 first_output_at = bounds[min(bisect.bisect_left(ends, end), len(bounds) - 1)][1]
@@ -148,7 +149,7 @@ def _finished(assembler, notes: list[str], first_output_at) -> Assembled:
         completion.notes = list(completion.notes) + notes
         if completion.status == "ok":
             completion.status, completion.error = "error", "; ".join(notes)
-    return Assembled(completion, first_output_at, bool(getattr(assembler, "terminal", False)))
+    return Assembled(completion, first_output_at, bool(assembler.terminal))
 
 
 _scan = json.JSONDecoder().scan_once  # the C scanner itself: json.loads adds three Python calls per event

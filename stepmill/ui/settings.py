@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from stepmill.protocols import protocols
 from stepmill.store import views
 
 STEP_COLUMNS = {
@@ -14,8 +15,8 @@ STEP_COLUMNS = {
     "group_id": "Runs of the same prompt (GRPO group)",
     "parent_step_id": "The step whose conversation this one continues",
     "step_index": "Position in the trajectory",
-    "api": "openai.chat, openai.completions, openai.responses, anthropic.messages, gemini.generate, "
-           "sglang.generate, control",
+    "engine_api": "The protocol of the kept exchange when the proxy served the call through another "
+                  "(an engine's chat completions, for exact ids); empty when it is the agent's own",
     "transport": "http, sse or websocket",
     "messages_base_len": "Messages shared with the parent's conversation + completion",
     "messages_suffix": "Messages after the shared prefix (canonical form)",
@@ -25,6 +26,12 @@ STEP_COLUMNS = {
     "token_provenance": "none, exact (from the engine), rendered (chat template) or spliced",
     "consistency": "Does this prompt start with the parent's prompt + response ids?",
 }
+
+
+def step_columns() -> dict:
+    """The steps table's column labels; ``api`` names the protocols installed (other packages' included)."""
+    names = ", ".join([p.api for p in protocols()] + ["control"])
+    return {**STEP_COLUMNS, "api": f"The protocol the agent spoke: {names}"}
 
 
 def metadata(db_name: str | list[str]) -> dict:
@@ -42,7 +49,7 @@ def metadata(db_name: str | list[str]) -> dict:
                                        "parent's; the readable view and the export rebuild them whole.",
                         "facets": ["model", "api", "status", "channel", "trajectory_id"],
                         "sort_desc": "started_at",
-                        "columns": STEP_COLUMNS,
+                        "columns": step_columns(),
                     },
                     "trajectories": {
                         "title": "Trajectories (one per agent run)",
