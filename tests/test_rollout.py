@@ -127,8 +127,15 @@ def test_ctrl_c_keeps_what_ran_and_the_next_run_resumes(proxy, marker, tmp_path)
         assert time.time() < deadline, "no run started"
         time.sleep(0.2)
     process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
+    try:
+        _, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGUSR1)  # every thread's stack, for the failure below
+        time.sleep(2)
+        process.kill()
+        pytest.fail(f"the runner did not end within 60 s of Ctrl-C:\n{process.communicate()[1][-6000:]}")
     assert process.returncode == 130 and "run the same command again to resume" in stderr
+    assert "did not stop" not in stderr, stderr  # every run stopped when told
     statuses = {r["status"] for r in store.query("SELECT status FROM trajectories WHERE id LIKE ?", [f"arith-{marker}-%"])}
     assert statuses == {"open"}
     quick = _config(tmp_path, proxy, marker, agent_command=[sys.executable, "-c", "print('done')"])
