@@ -11,6 +11,18 @@ import sys
 PR_SET_PDEATHSIG = 1
 
 
+def _libc_prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up once, in the parent: a ``preexec_fn`` runs between fork and exec of a process with threads,
+# where a dlopen (ctypes.CDLL) could wait forever on a loader lock another thread held at the fork.
+prctl = _libc_prctl()
+
+
 _given: set[int] = set()
 
 
@@ -26,10 +38,8 @@ def free_port() -> int:
             return port
 
 
-def die_with_parent() -> None:
-    """A ``preexec_fn``: on Linux the child gets SIGTERM when its parent dies, even by kill -9."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except (OSError, AttributeError):
-            pass  # no prctl: the parent's own cleanup still stops the child
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """A ``preexec_fn``: on Linux the child gets ``sig`` when its parent dies, even by kill -9 (without
+    prctl, the parent's own cleanup still stops the child)."""
+    if prctl is not None:
+        prctl(PR_SET_PDEATHSIG, sig)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import inspect
 import logging
 import os
@@ -42,6 +41,7 @@ from mitmproxy.proxy.utils import expect
 
 from stepmill.addon import siblings
 from stepmill.addon.main import StepmillAddon
+from stepmill.children import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -249,10 +249,7 @@ def default_workers() -> int:
 
 def _die_with_parent() -> None:
     """In a worker, before exec: killed (as a kill -9 of the one proxy process would be) if the supervisor dies."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    die_with_parent(signal.SIGKILL)
 
 
 class Supervisor:

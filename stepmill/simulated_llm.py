@@ -184,6 +184,7 @@ class SimulatedModel:
         self.end_id = self.tokenizer.convert_tokens_to_ids(IM_END)
         self.policy = policy
         self.delay = delay
+        self.weight_version = "default"  # vLLM's label until /update_weight_version names one
 
     def render(self, messages: list[dict], tools: list[dict], generation_prompt: bool = True) -> str:
         flat = []
@@ -314,6 +315,34 @@ def completion(llm: SimulatedModel, body: dict) -> dict:
             "model": body.get("model") or MODEL, "system_fingerprint": "stepmill-simulated", "choices": [choice],
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
                       "total_tokens": len(prompt_ids) + len(ids)}}
+
+
+def generate_tokens(llm: SimulatedModel, body: dict) -> dict:
+    """vLLM's token-in, token-out route (/inference/v1/generate, served with --enable-scale-out), in its
+    shapes: sampling in ``sampling_params``, the ids, the text (output_mode "text") or not, and the weight
+    version that sampled each token (the label /update_weight_version set; "default" before any)."""
+    ids = body.get("token_ids")
+    sampling = body.get("sampling_params") or {}
+    if not isinstance(sampling, dict):
+        raise BadRequest("sampling_params must be an object")
+    answer = completion(llm, {"prompt": ids, "return_token_ids": True, "logprobs": sampling.get("logprobs")})
+    choice = answer["choices"][0]
+    out_ids = choice["token_ids"]
+    text_mode = body.get("output_mode") == "text"
+    logprobs = None
+    if sampling.get("logprobs") is not None:
+        tokens = llm.tokenizer.convert_ids_to_tokens(out_ids)
+        values = choice["logprobs"]["token_logprobs"]
+        logprobs = {"content": [({"token": token, "logprob": value, "bytes": list(token.encode()), "top_logprobs": []}
+                                 if text_mode else {"token_id": token_id, "logprob": value, "rank": 1,
+                                                    "top_logprobs": []})
+                                for token, token_id, value in zip(tokens, out_ids, values)]}
+    result = {"index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": out_ids, "routed_experts": None,
+              "sampling_mask": None, "weight_versions": [{"version": llm.weight_version, "start": 0, "end": len(out_ids)}],
+              "logprobs": logprobs, **({"text": choice["text"]} if text_mode else {})}
+    return {"request_id": f"generate-tokens-{uuid.uuid4().hex[:16]}", "model": body.get("model") or MODEL,
+            "created": int(time.time()), "usage": answer["usage"], "prompt_token_ids": None,
+            "output_mode": "text" if text_mode else "tokens", "choices": [result]}
 
 
 _TOOLS_BLOCK = re.compile(r"<tools>(.*?)</tools>", re.S)
@@ -492,6 +521,11 @@ def make_server(llm: SimulatedModel, host: str = "127.0.0.1", port: int = 0) -> 
                         else self._json(200, payload)
                 if path.endswith("/completions"):
                     return self._json(200, completion(llm, body))
+                if path == "/inference/v1/generate":
+                    return self._json(200, generate_tokens(llm, body))
+                if path == "/update_weight_version":  # vLLM's admin route (dev mode)
+                    llm.weight_version = str(body.get("new_version"))
+                    return self._json(200, {"success": True, "new_version": llm.weight_version})
                 if path == "/tokenize":  # vLLM's: a prompt, or chat messages through the template
                     return self._json(200, tokenize(llm, body))
                 if path.endswith("/messages/count_tokens"):

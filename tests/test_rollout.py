@@ -127,8 +127,15 @@ def test_ctrl_c_keeps_what_ran_and_the_next_run_resumes(proxy, marker, tmp_path)
         assert time.time() < deadline, "no run started"
         time.sleep(0.2)
     process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
+    try:
+        _, stderr = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGUSR1)  # every thread's stack, for the failure below
+        time.sleep(2)
+        process.kill()
+        pytest.fail(f"the runner did not end within 60 s of Ctrl-C:\n{process.communicate()[1][-6000:]}")
     assert process.returncode == 130 and "run the same command again to resume" in stderr
+    assert "did not stop" not in stderr, stderr  # every run stopped when told
     statuses = {r["status"] for r in store.query("SELECT status FROM trajectories WHERE id LIKE ?", [f"arith-{marker}-%"])}
     assert statuses == {"open"}
     quick = _config(tmp_path, proxy, marker, agent_command=[sys.executable, "-c", "print('done')"])
@@ -221,6 +228,41 @@ def test_both_shipped_agents_against_the_simulated_llm(proxy, simulated_llm, mar
             assert after["parent_step_id"] == before["step_id"]
     metadata = json.loads(trajectories[0]["metadata"])
     assert metadata["outcome"] == "ok" and "answer" not in metadata
+
+
+def test_a_white_box_step_carries_the_version_the_engine_names(proxy, simulated_llm, marker, tmp_path):
+    """Where the engine names the weights that sampled each token (vLLM's token route), a white-box step
+    is stamped with that version, not by the clock: a call in flight across a weight sync in async
+    training says which policy sampled it."""
+    import urllib.request
+
+    from stepmill.runner.agent_run import engine_versions
+
+    def label(version):
+        request = urllib.request.Request(simulated_llm.url.removesuffix("/v1") + "/update_weight_version",
+                                         data=json.dumps({"new_version": version}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=10).read()
+
+    config = _sim_config(tmp_path, proxy, simulated_llm, marker, agents=["token-loop"], n=2, tasks=1)
+    label(f"engine-{marker}")
+    try:
+        done = _rollout(config)
+    finally:
+        label("default")  # the shared engine back as it was: unlabelled
+    assert "2 runs finished (0 failed, 0 timed out)" in done.stderr, done.stderr
+    steps = proxy.steps("s.trajectory_id LIKE ?", [f"sim-{marker}-%"], count=2)
+    assert {s["policy_version"] for s in steps} == {f"engine-{marker}"}  # not the run's marker
+    assert {(s["metadata"] if isinstance(s["metadata"], dict) else json.loads(s["metadata"]))["version_from"]
+            for s in steps} == {"engine"}
+    tags = {"metadata": {"agent": "a"}}
+    # a sync inside the generation: the first token's version, and every span kept
+    spans = [{"version": "3", "start": 0, "end": 5}, {"version": "4", "start": 5, "end": 9}]
+    assert engine_versions({"weight_versions": spans}, tags) == {
+        "policy_version": "3", "metadata": {"agent": "a", "version_from": "engine", "weight_versions": spans}}
+    # an engine never labelled, or no word at all: the clock decides
+    assert engine_versions({"weight_versions": [{"version": "default", "start": 0, "end": 2}]}, tags) == {}
+    assert engine_versions({"weight_versions": "3"}, tags) == engine_versions({}, tags) == {}
 
 
 def test_no_agent_gets_the_write_token(proxy, simulated_llm, marker, tmp_path):

@@ -155,8 +155,6 @@ def test_every_version_is_served_verified_stamped_and_consumed_once(case, loops)
         m = report.metrics
         # after every sync the engine's logprobs of the probe equal the trainer's
         assert m["logprob_gap"] <= TOLERANCE, (report.run, report.version, m["logprob_gap"])
-        if "rollout_gap" in m and mode == "sync":  # async: test_every_sampled_token_matches_its_stamped_version
-            assert m["rollout_gap"] <= TOLERANCE and not m.get("rollout_gap_unchecked"), (report.version, m)
     if mode == "async":  # what was trained on was never staler than allowed, and its staleness is recorded
         staleness = [r.metrics["staleness_max"] for r in outcome.run if r.metrics.get("staleness_max") is not None]
         assert staleness and max(staleness) <= 1
@@ -174,14 +172,17 @@ def test_every_version_is_served_verified_stamped_and_consumed_once(case, loops)
         assert not Store(str(db), readonly=True).consumption_staleness(channel="val")
 
 
-@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.xfail(
-    strict=False, reason="known defect: in async mode some white-box step's tokens do not match the weights of "
-                         "the version it is stamped with (README: Training on it, 'Stamped right')"))
-    if CASES[case][2] == "async" else case for case in CASES])
+@pytest.mark.parametrize("case", CASES)
 def test_every_sampled_token_matches_its_stamped_version(case, loops):
     """Every sampled token's engine logprob equals the trainer's under the weights of the version its step
-    is stamped with: each call was stamped with the policy the engine served it by."""
-    outcome, _, _ = loops(case)
+    is stamped with: each call was stamped with the policy the engine served it by. A white-box step's
+    version is the engine's own word (vLLM's token route), never a clock's guess."""
+    outcome, db, _ = loops(case)
+    if CASES[case][1] == "white-box":
+        sources = Store(str(db), readonly=True).query(
+            "SELECT json_extract(metadata, '$.version_from') AS source, count(*) AS n FROM steps "
+            "WHERE json_extract(metadata, '$.white_box') GROUP BY source")
+        assert [(row["source"], row["n"] > 0) for row in sources] == [("engine", True)], sources
     for report in outcome.run + outcome.control:
         m = report.metrics
         if "rollout_gap" in m:

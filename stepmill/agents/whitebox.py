@@ -1,8 +1,10 @@
 """The host of white-box agents: token in, token out, every step submitted with its exact ids.
 
 A white-box agent is a Python function ``run(task: dict, session: Session) -> str``. It builds
-its prompt as token ids, calls ``session.generate(ids)`` — a ``/v1/completions`` request with the
-ids as the prompt and ``return_token_ids`` — and appends what the engine sampled to its own
+its prompt as token ids, calls ``session.generate(ids)`` — vLLM's token-in, token-out
+``/inference/v1/generate`` where the engine serves it (its answer names the weight version that
+sampled each token), else a ``/v1/completions`` request with the ids as the prompt and
+``return_token_ids`` — and appends what the engine sampled to its own
 sequence, so its trajectory is one exact token sequence by construction, never re-encoded.
 
 The agent holds no stepmill credential: each generation is written as one JSON line, and the
@@ -81,6 +83,8 @@ class Session:
         self.timeout = timeout
         self.seed = seed  # each generation's sampling seed is this plus its number
         self.steps = 0
+        self.root = re.sub(r"/v1/?$", "", self.engine_url.rstrip("/"))  # the token route lives beside /v1
+        self.tokens_api: bool | None = None  # whether the engine has vLLM's token-in, token-out route
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -90,43 +94,80 @@ class Session:
 
     def generate(self, prompt_ids: list[int], *, max_tokens: int = 512, messages: list[dict] | None = None,
                  reply=qwen_reply, **sampling) -> Generation:
-        """One engine call on exact ids; the step (ids, logprobs, and — for people and reward
-        functions to read — ``messages`` and the reply as ``reply(text)`` parses it) is emitted for
-        the runner to submit."""
-        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "return_token_ids": True,
-                "logprobs": 0, **sampling}
-        if self.seed is not None and "seed" not in body:  # the runner's: a run and its paired control draw alike
-            body["seed"] = self.seed + self.steps
-        request = urllib.request.Request(f"{self.engine_url}/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json",
-                                                  "Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', 'sk-local')}"})
-        started_at = time.time()  # the policy version stamped is the one in force then
+        """One engine call on exact ids; the step (ids, logprobs, the weight versions that sampled them
+        where the engine says, and — for people and reward functions to read — ``messages`` and the
+        reply as ``reply(text)`` parses it) is emitted for the runner to submit."""
+        sampling = {"max_tokens": max_tokens, "logprobs": 0, **sampling}
+        if self.seed is not None and "seed" not in sampling:  # the runner's: a run and its paired control draw alike
+            sampling["seed"] = self.seed + self.steps
+        started_at = time.time()  # the policy version stamped, where the engine does not say, is the one in force then
+        answer = self._tokens_api(prompt_ids, sampling) if self.tokens_api is not False else None
+        if answer is None:
+            answer = self._completions(prompt_ids, sampling)
+        ids, logprobs, text, finish_reason, versions = answer
+        message = reply(text)
+        for number, call in enumerate(message.get("tool_calls") or []):
+            call["id"] = f"call_{self.steps}_{number}"  # unique across the trajectory's turns
+        generation = Generation(ids, logprobs if logprobs and len(logprobs) == len(ids) else None, text,
+                                finish_reason, message)
+        step = {"prompt_ids": prompt_ids, "response_ids": ids, "logprobs": generation.logprobs,
+                "model": self.model, "finish_reason": generation.finish_reason,
+                "messages": messages or [], "completion": generation.message, "started_at": started_at,
+                "weight_versions": versions}
+        self.out.write(json.dumps({k: v for k, v in step.items() if v is not None}) + "\n")
+        self.out.flush()
+        self.steps += 1
+        return generation
+
+    def _post(self, url: str, body: dict) -> dict:
+        request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', 'sk-local')}"})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                payload = json.loads(response.read())
+                return json.loads(response.read())
         except urllib.error.HTTPError as exc:
             raise EngineError(f"the engine answered {exc.code}: {exc.read()[:500].decode(errors='replace')}") from None
+
+    def _tokens_api(self, prompt_ids: list[int], sampling: dict):
+        """vLLM's token-in, token-out route (``--enable-scale-out``): the same sampling, and for each
+        output token the weight version that sampled it. None where the engine has no such route
+        (asked once: an older vLLM, SGLang, the simulated LLM)."""
+        body = {"model": self.model, "token_ids": prompt_ids, "sampling_params": sampling, "output_mode": "text"}
+        try:
+            payload = self._post(f"{self.root}/inference/v1/generate", body)
+        except EngineError as exc:
+            if self.tokens_api is None and any(f"answered {code}" in str(exc) for code in (403, 404, 405)):
+                self.tokens_api = False
+                return None
+            raise
+        self.tokens_api = True
         choice = payload["choices"][0]
-        ids = choice.get("token_ids")
-        if ids is None:
+        content = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = [entry.get("logprob") for entry in content]
+        return (choice.get("token_ids"), logprobs or None, choice.get("text", ""), choice.get("finish_reason"),
+                _spans(choice.get("weight_versions")))
+
+    def _completions(self, prompt_ids: list[int], sampling: dict):
+        body = {"model": self.model, "prompt": prompt_ids, "return_token_ids": True, **sampling}
+        payload = self._post(f"{self.engine_url}/completions", body)
+        choice = payload["choices"][0]
+        if choice.get("token_ids") is None:
             raise EngineError("the engine returned no token_ids: a white-box agent needs an engine that "
                               "honours return_token_ids (vLLM, SGLang, or stepmill simulate-llm)")
         if choice.get("prompt_token_ids") not in (None, prompt_ids):
             raise EngineError("the engine reports other prompt ids than were sent")
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
-        text = choice.get("text", "")
-        message = reply(text)
-        for number, call in enumerate(message.get("tool_calls") or []):
-            call["id"] = f"call_{self.steps}_{number}"  # unique across the trajectory's turns
-        generation = Generation(ids, logprobs if logprobs and len(logprobs) == len(ids) else None, text,
-                                choice.get("finish_reason"), message)
-        step = {"prompt_ids": prompt_ids, "response_ids": ids, "logprobs": generation.logprobs,
-                "model": payload.get("model") or self.model, "finish_reason": generation.finish_reason,
-                "messages": messages or [], "completion": generation.message, "started_at": started_at}
-        self.out.write(json.dumps({k: v for k, v in step.items() if v is not None}) + "\n")
-        self.out.flush()
-        self.steps += 1
-        return generation
+        return choice["token_ids"], logprobs, choice.get("text", ""), choice.get("finish_reason"), None
+
+
+def _spans(value) -> list[dict] | None:
+    """The engine's weight versions over the output tokens: [{"version", "start", "end"}, …], or None."""
+    if not isinstance(value, list):
+        return None
+    spans = [{"version": str(span["version"]), "start": int(span["start"]), "end": int(span["end"])}
+             for span in value if isinstance(span, dict) and {"version", "start", "end"} <= span.keys()]
+    return spans or None
 
 
 def load_entry(entry: str):

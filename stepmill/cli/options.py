@@ -73,6 +73,7 @@ class CurationChoice(click.Choice):
 def stop_on_signals() -> None:
     """Ctrl-C and a plain kill stop a long command cleanly (its children stopped, what ran kept), also
     where the shell started it with SIGINT ignored: both raise KeyboardInterrupt."""
+    import faulthandler
     import signal
 
     def interrupt(signum, frame):
@@ -80,6 +81,7 @@ def stop_on_signals() -> None:
 
     signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: where every thread is, on stderr
 
 
 def on_interrupt(message: str):

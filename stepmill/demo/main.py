@@ -149,6 +149,8 @@ class VLLMServer:
                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
         if dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
+            # /inference/v1/generate: token in, token out, and which weight version sampled each token
+            command += ["--enable-scale-out"]
         if worker_extension:
             from stepmill.train import vllm_worker
 

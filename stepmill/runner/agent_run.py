@@ -425,6 +425,23 @@ def feed(pipe, data: bytes) -> None:
         pass  # the agent exited without reading its input
 
 
+def engine_versions(step: dict, tags: dict) -> dict:
+    """The policy version from the engine's own word (vLLM's token route names the weight version that
+    sampled each token): the version its first token was sampled with, and every span when a weight
+    sync fell inside the generation. Nothing where the engine did not say (or says only "default",
+    never synced): the step is then stamped by when it began."""
+    spans = step.get("weight_versions")
+    if not (isinstance(spans, list) and spans and all(isinstance(span, dict) for span in spans)):
+        return {}
+    versions = [str(span.get("version"))[:200] for span in spans]
+    if "default" in versions:
+        return {}
+    metadata = {**tags.get("metadata", {}), "version_from": "engine"}
+    if len(set(versions)) > 1:
+        metadata["weight_versions"] = spans
+    return {"policy_version": versions[0], "metadata": metadata}
+
+
 def submit_steps(stream, client: StepmillClient, submitted: dict, tags: dict) -> None:
     """A white-box run's steps, one JSON line each on its own pipe, submitted with the runner's
     credential as they come. Of each line only the ids and what the engine said are taken."""
@@ -445,7 +462,8 @@ def submit_steps(stream, client: StepmillClient, submitted: dict, tags: dict) ->
                 started = (min(max(float(started), floor), now)
                            if isinstance(started, (int, float)) and math.isfinite(started) else floor)
                 floor = now
-                client.submit_step(**reported, **tags, **first, step_index=index, started_at=started)
+                client.submit_step(**{**reported, **tags, **first, **engine_versions(step, tags)}, step_index=index,
+                                   started_at=started)
                 submitted["steps"] += 1
             except (ValueError, ControlError) as exc:
                 submitted["errors"].append(f"step {index}: {exc}")

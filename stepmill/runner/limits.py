@@ -113,9 +113,13 @@ class RunGroup:
     def enter(self) -> None:
         """In the run's first process, before it executes anything (a ``preexec_fn`` part): into its
         groups, then the rlimits."""
-        pid = str(os.getpid())
-        for folder in self.folders.values():
-            (folder / "cgroup.procs").write_text(pid)
+        pid = str(os.getpid()).encode()
+        for folder in self.folders.values():  # plain system calls: between fork and exec, nothing that locks
+            fd = os.open(os.path.join(folder, "cgroup.procs"), os.O_WRONLY)
+            try:
+                os.write(fd, pid)
+            finally:
+                os.close(fd)
         limits = self.limits
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         if limits.cpu_seconds:

@@ -17,7 +17,6 @@ import queue
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -51,6 +50,66 @@ class Report:
         self.timed_out += outcome.outcome == "timeout"
         self.left_open += not outcome.committed
         self.trajectories.append(outcome.trajectory)
+
+
+STOP_GRACE = 30.0  # seconds an interrupted rollout waits for its runs to stop before it names those that did not
+
+
+class Workers:
+    """Jobs on ``concurrency`` daemon threads: an interrupt never waits on a run that will not stop (the
+    rollout names it and its stack, and ends). The first error stops new jobs and is raised once the
+    running ones end."""
+
+    def __init__(self, work: Callable, jobs: list, concurrency: int):
+        self.work, self.todo = work, queue.SimpleQueue()
+        for job in jobs:
+            self.todo.put(job)
+        self.errors: list[BaseException] = []
+        self.current: dict[int, str] = {}  # thread ident -> the trajectory it runs
+        self.cancelled = threading.Event()
+        self.threads = [threading.Thread(target=self._loop, name=f"stepmill-run-{i}", daemon=True)
+                        for i in range(min(concurrency, len(jobs)))]
+
+    def _loop(self) -> None:
+        while not self.cancelled.is_set():
+            try:
+                job = self.todo.get_nowait()
+            except queue.Empty:
+                return
+            self.current[threading.get_ident()] = job.trajectory
+            try:
+                self.work(job)
+            except BaseException as exc:
+                self.errors.append(exc)
+                self.cancelled.set()
+                return
+            finally:
+                self.current.pop(threading.get_ident(), None)
+
+    def run(self) -> None:
+        for thread in self.threads:
+            thread.start()
+        for thread in self.threads:
+            thread.join()
+        if self.errors:
+            raise self.errors[0]
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def wait(self, grace: float) -> None:
+        """Up to ``grace`` seconds for the running jobs; those still running are named, with their stacks."""
+        import traceback
+
+        deadline = time.monotonic() + grace
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        frames = sys._current_frames()
+        for thread in self.threads:
+            if thread.is_alive():
+                stack = "".join(traceback.format_stack(frames.get(thread.ident))) if thread.ident in frames else ""
+                print(f"stepmill: run {self.current.get(thread.ident, '?')} did not stop within {grace:.0f} s; "
+                      f"left behind, where it was:\n{stack}", file=sys.stderr, flush=True)
 
 
 def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> Report:
@@ -111,15 +170,14 @@ def rollout_through(config: Config, proxy: ProxyHandle, *, progress: bool = True
     finished = threading.Event()
     if progress:
         threading.Thread(target=show, daemon=True).start()
-    pool = ThreadPoolExecutor(run.concurrency)
+    workers = Workers(one, jobs, run.concurrency)
     try:
-        for future in [pool.submit(one, job) for job in jobs]:
-            future.result()
-        pool.shutdown()
+        workers.run()
     except KeyboardInterrupt:
         report.interrupted = True
+        workers.cancel()
         site.stop_all()  # runs not started yet never start; running ones are stopped, their trajectories stay open
-        pool.shutdown(wait=True, cancel_futures=True)
+        workers.wait(STOP_GRACE)
         raise
     finally:
         finished.set()
