@@ -52,6 +52,19 @@ def test_what_chat_cannot_carry_is_left_to_the_engines_messages_endpoint():
         mvc.request_to_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "document"}]}]})
 
 
+def test_what_the_chat_request_does_not_carry_is_noted():
+    """Extended thinking and the like reach no engine's chat: the step says so; the user id is no request
+    of the model's and goes unmentioned."""
+    body = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}],
+            "thinking": {"type": "enabled", "budget_tokens": 2000}, "service_tier": "auto",
+            "metadata": {"user_id": "u1"}}
+    translated = mvc.translate(body, "/v1/messages")
+    assert translated.notes == ["service_tier, thinking are not carried by the engine's chat completions"]
+    assert "thinking" not in translated.chat and translated.path == "/v1/chat/completions"
+    assert mvc.translate({k: v for k, v in body.items() if k not in ("thinking", "service_tier")},
+                         "/v1/messages").notes == []
+
+
 def test_a_named_tool_and_the_stop_sequence_that_ended_it():
     chat = mvc.request_to_chat({"model": "m", "messages": [], "tool_choice": {"type": "tool", "name": "Bash"}})
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "Bash"}}

@@ -22,7 +22,7 @@ from typing import Any
 from stepmill.protocols.contract import Translated
 from stepmill.protocols.gemini_generate import PATH, _get, _parts, model_from_path, streamed_path, tools_of
 from stepmill.protocols.openai_chat import reasoning_of
-from stepmill.protocols.via_chat import ChatStreamTranslator, error_message, tool_arguments
+from stepmill.protocols.via_chat import ChatStreamTranslator, error_message, not_carried, tool_arguments
 
 ENGINE_ENDPOINT = False  # engines have no Gemini endpoint
 NOTE = ("a Gemini generateContent call, served through the engine's chat completions for exact token ids; the agent "
@@ -115,13 +115,6 @@ BODY_READ = {"contents", "systemInstruction", "tools", "toolConfig", "generation
 TOOL_CHOICE = {"AUTO": "auto", "ANY": "required", "NONE": "none", "MODE_UNSPECIFIED": "auto"}
 
 
-def _not_carried(notes: list[str], where: str, names: list[str], why: str = "") -> None:
-    """A note that ``names`` (fields of ``where``, or values) do not reach the engine."""
-    if names:
-        verb = "is" if len(names) == 1 else "are"
-        notes.append(f"{where}{', '.join(names)} {verb} not carried by the engine's chat completions{why}")
-
-
 def _camel(key: str) -> str:
     """A field name in Gemini's JSON spelling: ``response_mime_type`` → ``responseMimeType``."""
     head, *rest = key.split("_")
@@ -134,10 +127,10 @@ def _response_format(config: dict, notes: list[str]) -> dict | None:
     schema, json_schema = _get(config, "responseSchema"), _get(config, "responseJsonSchema")
     if mime in (None, "text/plain"):
         if schema is not None or json_schema is not None:
-            _not_carried(notes, "generationConfig ", ["a response schema without JSON mode"])
+            not_carried(notes, "generationConfig ", ["a response schema without JSON mode"])
         return None
     if mime != "application/json":
-        _not_carried(notes, "generationConfig.responseMimeType ", [repr(mime)])
+        not_carried(notes, "generationConfig.responseMimeType ", [repr(mime)])
         return None
     if json_schema is not None:
         return {"type": "json_schema", "json_schema": {"name": "response", "schema": json_schema}}
@@ -154,7 +147,7 @@ def _tool_choice(body: dict, notes: list[str]) -> Any:
     calling = _get(tool_config, "functionCallingConfig") if isinstance(tool_config, dict) else None
     rest = sorted(_camel(k) for k in tool_config if _camel(k) != "functionCallingConfig") \
         if isinstance(tool_config, dict) else [repr(tool_config)]
-    _not_carried(notes, "toolConfig ", rest)
+    not_carried(notes, "toolConfig ", rest)
     if not isinstance(calling, dict):
         return None
     mode = str(_get(calling, "mode") or "AUTO").upper()
@@ -162,10 +155,10 @@ def _tool_choice(body: dict, notes: list[str]) -> Any:
     if mode == "ANY" and isinstance(names, list) and len(names) == 1:
         return {"type": "function", "function": {"name": names[0]}}
     if names:
-        _not_carried(notes, f"toolConfig's allowedFunctionNames (mode {mode}) ", [repr(names)],
+        not_carried(notes, f"toolConfig's allowedFunctionNames (mode {mode}) ", [repr(names)],
                      ": any declared function may be called")
     if mode not in TOOL_CHOICE:
-        _not_carried(notes, "toolConfig's function calling mode ", [mode], " (sent as auto)")
+        not_carried(notes, "toolConfig's function calling mode ", [mode], " (sent as auto)")
     return TOOL_CHOICE.get(mode, "auto")
 
 
@@ -195,21 +188,21 @@ def request_to_chat(body: dict, path: str, engine: str = "vllm", notes: list[str
         del unheld["includeThoughts"]
     if unheld.get("thinkingBudget") == -1:
         del unheld["thinkingBudget"]
-    _not_carried(notes, "generationConfig.thinkingConfig ", [json.dumps(unheld, sort_keys=True)] if unheld else [])
+    not_carried(notes, "generationConfig.thinkingConfig ", [json.dumps(unheld, sort_keys=True)] if unheld else [])
     modalities = _get(config, "responseModalities")
     if modalities and [str(m).upper() for m in modalities] != ["TEXT"]:
-        _not_carried(notes, "generationConfig.responseModalities ", [repr(modalities)], ": the engine answers text")
-    _not_carried(notes, "generationConfig ", sorted(k for k in map(_camel, config) if k not in CONFIG_READ))
+        not_carried(notes, "generationConfig.responseModalities ", [repr(modalities)], ": the engine answers text")
+    not_carried(notes, "generationConfig ", sorted(k for k in map(_camel, config) if k not in CONFIG_READ))
     tools = tools_of(body)
     if tools:
         chat["tools"] = [{**t, "function": {**t["function"], "parameters": _lower_types(t["function"]["parameters"])}}
                          for t in tools]
     other_tools = {_camel(k) for t in body.get("tools") or [] if isinstance(t, dict) for k in t}
-    _not_carried(notes, "tools ", sorted(other_tools - {"functionDeclarations"}), " (function declarations are)")
+    not_carried(notes, "tools ", sorted(other_tools - {"functionDeclarations"}), " (function declarations are)")
     tool_choice = _tool_choice(body, notes)
     if tool_choice is not None:
         chat["tool_choice"] = tool_choice
-    _not_carried(notes, "", sorted(k for k in map(_camel, body) if k not in BODY_READ))
+    not_carried(notes, "", sorted(k for k in map(_camel, body) if k not in BODY_READ))
     if "?alt=sse" in path or "&alt=sse" in path:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}

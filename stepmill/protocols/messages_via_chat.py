@@ -18,7 +18,7 @@ from typing import Any
 
 from stepmill.protocols.contract import Translated
 from stepmill.protocols.openai_chat import reasoning_of
-from stepmill.protocols.via_chat import ChatStreamTranslator, error_message, tool_arguments
+from stepmill.protocols.via_chat import ChatStreamTranslator, error_message, not_carried, tool_arguments
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
                 "abort": "end_turn"}
@@ -38,10 +38,18 @@ def chat_path(path: str) -> str:
     return path.split("?", 1)[0].rstrip("/").removesuffix("/messages") + "/chat/completions"
 
 
+# What request_to_chat reads; ``metadata`` (the caller's user id) asks nothing of the model.
+BODY_READ = {"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k", "stop_sequences", "tools",
+             "tool_choice", "stream", "metadata"}
+
+
 def translate(body: dict, path: str, engine: str = "vllm") -> Translated:
-    """The call for the engine's chat completions, and what the answer's translation back needs."""
+    """The call for the engine's chat completions, what the answer's translation back needs, and what the
+    chat request could not carry (extended thinking, a service tier, MCP servers, ...)."""
+    notes: list[str] = []
+    not_carried(notes, "", sorted(k for k in body if k not in BODY_READ))
     return Translated(request_to_chat(body, engine), chat_path(path),
-                      {"model": body.get("model"), "stop_sequences": body.get("stop_sequences")})
+                      {"model": body.get("model"), "stop_sequences": body.get("stop_sequences")}, notes)
 
 
 # -- request --------------------------------------------------------------------------------------

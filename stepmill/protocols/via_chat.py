@@ -26,6 +26,13 @@ def error_message(payload: Any) -> tuple[str, bool]:
     return message, isinstance(error, dict)
 
 
+def not_carried(notes: list[str], where: str, names: list[str], why: str = "") -> None:
+    """A note that ``names`` (fields of ``where``, or values) do not reach the engine."""
+    if names:
+        verb = "is" if len(names) == 1 else "are"
+        notes.append(f"{where}{', '.join(names)} {verb} not carried by the engine's chat completions{why}")
+
+
 class ChatStreamTranslator:
     """Chat completion chunks in, another protocol's stream out: ``on_chunk(chunk)`` for each chunk,
     ``on_error(chunk)`` for an error chunk (the end), ``close()`` at ``[DONE]`` or when the body ends."""
