@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 TOLERANCE = 1e-4
 ITERATIONS = 10
-MARGIN = 0.05  # the run's mean reward over its last three versions beats its control's by at least this
+MARGIN = 0.03  # the run's mean reward over its last three versions beats its control's by at least this
+# (seen: +0.062 to +0.066 sync, +0.057 to +0.116 async; README, 'Training on it')
 AGENTS = {
     "black-box": '''name = "black-box"
 command = ["{python}", "-m", "stepmill.agents.tool_loop", "--model", "{model}"]
