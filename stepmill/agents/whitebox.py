@@ -37,7 +37,9 @@ from stepmill.errors import ConfigError
 
 
 class EngineError(RuntimeError):
-    pass
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status  # the engine's HTTP status, where it answered one
 
 
 _CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
@@ -127,7 +129,8 @@ class Session:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as exc:
-            raise EngineError(f"the engine answered {exc.code}: {exc.read()[:500].decode(errors='replace')}") from None
+            raise EngineError(f"the engine answered {exc.code}: {exc.read()[:500].decode(errors='replace')}",
+                              exc.code) from None
 
     def _tokens_api(self, prompt_ids: list[int], sampling: dict):
         """vLLM's token-in, token-out route (``--enable-scale-out``): the same sampling, and for each
@@ -137,12 +140,14 @@ class Session:
         try:
             payload = self._post(f"{self.root}/inference/v1/generate", body)
         except EngineError as exc:
-            if self.tokens_api is None and any(f"answered {code}" in str(exc) for code in (403, 404, 405)):
+            if self.tokens_api is None and exc.status in (403, 404, 405):  # no such route (vLLM: not enabled)
                 self.tokens_api = False
                 return None
             raise
         self.tokens_api = True
         choice = payload["choices"][0]
+        if choice.get("token_ids") is None:
+            raise EngineError("the engine's token route returned no token_ids")
         content = (choice.get("logprobs") or {}).get("content") or []
         logprobs = [entry.get("logprob") for entry in content]
         return (choice.get("token_ids"), logprobs or None, choice.get("text", ""), choice.get("finish_reason"),
