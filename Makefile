@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo proxy ui test bench bench-proxy bench-store bench-ui bench-engine bench-train bench-loop
+.PHONY: demo proxy ui docs docs-build test bench bench-proxy bench-store bench-ui bench-engine bench-train bench-loop
 
 $(PY): pyproject.toml
 	"$$(.ci/find-python)" -m venv $(VENV)
@@ -18,6 +18,14 @@ proxy: $(PY)
 
 ui: $(PY)
 	$(VENV)/bin/stepmill ui
+
+# The documentation site (mkdocs.yml, docs/; the `docs` extra, part of `test`): served with live reload,
+# or built into site/ with --strict, where a broken link, a missing anchor or a page left out of nav fails.
+docs: $(PY)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
+
+docs-build: $(PY)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # The fast tests first, then the end-to-end ones (a real engine, cluster or trainer: marked slow).
 test: $(PY)
