@@ -32,7 +32,7 @@
     seed = 7                                  # which ones
     options = { min_terms = 2 }               # the task's own settings (reasoning-gym)
 
-    [isolation]                               # how runs are kept from the runner's files (stepmill/isolation.py)
+    [isolation]                               # how runs are kept from the runner's files (stepmill/runner/isolation.py)
     mode = "auto"                             # auto | sandbox | user | container | none
     expose = ["/srv/repo"]                    # sandbox: more it sees, read-only ({ path, writable = true })
     network = "own"                           # sandbox: own (its only way out is the proxy) | host

@@ -59,7 +59,9 @@ def _segment(request, key: str) -> str:
 
 
 _stores: dict[str, Store] = {}
-_lock = threading.RLock()  # one Store connection per file, used by one thread at a time
+# One Store connection per file; one lock for all of them (a Store's connection is not shared between
+# threads), so the pages of every file served take turns.
+_lock = threading.RLock()
 
 
 def _files(datasette) -> list:
