@@ -15,6 +15,7 @@ import io
 import posixpath
 import re
 import tokenize
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # The repository's top folders: a path in prose is one only when it starts at one of these.
 TOP_FOLDERS = ("addon", "bench", "docs", "stepmill", "store", "tests", "trainer_bridge", ".ci")
 # Where the installed namespace's packages live (pyproject.toml's package-dir), longest name first.
-PACKAGE_FOLDERS = (("stepmill.trainer_bridge", "trainer_bridge"), ("stepmill.addon", "addon"),
-                   ("stepmill.store", "store"), ("stepmill", "stepmill"))
+PACKAGE_FOLDERS = tuple(sorted(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+                               ["tool"]["setuptools"]["package-dir"].items(), key=lambda item: -len(item[0])))
 # Folders that hold no text of the project's own.
 SKIPPED_FOLDERS = {".git", ".venv", ".engines", ".agents", "__pycache__", "site", "node_modules"}
 
