@@ -84,7 +84,8 @@ class Agent:
 
 
 @dataclass
-class Route:
+class EngineRoute:
+    """Where a run's LLM calls go: the engine(s) behind the proxy, and the tokenizer of a white-box run."""
     base_url: str | None = None
     engines: list = field(default_factory=list)
     reverse: bool = False
@@ -92,7 +93,8 @@ class Route:
 
 
 @dataclass
-class Run:
+class RolloutSettings:
+    """The [run] table: which agents run on which dataset, how many times, how many at once, where."""
     agent: list  # one or more [[agent]] names
     dataset: str
     n: int = 4
@@ -117,10 +119,10 @@ class Config:
     path: Path
     agents: dict
     datasets: dict  # name -> path
-    run: Run
+    run: RolloutSettings
     proxy: dict
     rewards: bool  # whether the file has [[reward]] tables
-    route: Route = field(default_factory=Route)
+    route: EngineRoute = field(default_factory=EngineRoute)
     public: dict = field(default_factory=dict)  # dataset name -> task fields shown with trajectories
     isolation: Isolation = field(default_factory=Isolation)
     # dataset name -> folders of the library that made it (its data, or code that makes every answer
@@ -157,9 +159,9 @@ class Config:
 
 
 SECTIONS = {"proxy": {"url", "db", "confdir", "args"}, "agent": set(Agent.__dataclass_fields__),
-            "dataset": {"name", "path", "public", *sources.SOURCE_KEYS}, "route": set(Route.__dataclass_fields__),
+            "dataset": {"name", "path", "public", *sources.SOURCE_KEYS}, "route": set(EngineRoute.__dataclass_fields__),
             "isolation": set(Isolation.__dataclass_fields__),
-            "run": set(Run.__dataclass_fields__), "reward": None,
+            "run": set(RolloutSettings.__dataclass_fields__), "reward": None,
             "train": None}  # [train]: read by stepmill.train.config
 
 
@@ -345,5 +347,5 @@ def load(path: str | Path) -> Config:
         fail("isolation", "prefix", "a non-empty list of strings is required")
     if isolation.get("mode") == "container" and "prefix" not in isolation:
         fail("isolation", "prefix", "mode = container needs the container command as prefix")
-    return Config(path, agents, datasets, Run(**run), data.get("proxy", {}), bool(data.get("reward")),
-                  Route(**route), publics, Isolation(**isolation), library_paths=library_paths)
+    return Config(path, agents, datasets, RolloutSettings(**run), data.get("proxy", {}), bool(data.get("reward")),
+                  EngineRoute(**route), publics, Isolation(**isolation), library_paths=library_paths)

@@ -14,7 +14,7 @@ from pathlib import Path
 from stepmill.children import die_with_parent, free_port
 from stepmill.client import StepmillClient
 from stepmill.private_files import private_opener
-from stepmill.runner.config import Config, Route
+from stepmill.runner.config import Config, EngineRoute
 from stepmill.runner.proxy_env import agent_env, trust_env
 from stepmill.tags import tag_path
 
@@ -74,7 +74,7 @@ class ProxyHandle:
         # Longer than the proxy's commit barrier (60 s): a complete that waits for it is answered first.
         self.client = StepmillClient(proxy=self.url, confdir=self.confdir, timeout=150)
 
-    def env(self, trajectory: str, secret: str, route: Route, bundle: Path) -> dict:
+    def env(self, trajectory: str, secret: str, route: EngineRoute, bundle: Path) -> dict:
         """A black-box run's environment: credentials with the run's secret and the CA, or a reverse
         base URL carrying them."""
         if route.reverse and self.reverse_url:  # the credentials ride in the URL; nothing else goes through a proxy
