@@ -5,7 +5,7 @@ Explicit tags: a reverse-mode base URL ``/t/{trajectory}/g/{group}/v1/...``, pro
 ``http://{trajectory}:{group}@host:port``, and the ``X-Stepmill-Trajectory`` / ``X-Stepmill-Group``
 / ``X-Stepmill-Channel`` headers. Credentials and the path win over headers, which only fill
 what they lack. A run the rollout runner registered carries a secret instead of its group
-(``http://{trajectory}:{secret}@…``, ``/t/{trajectory}/k/{secret}/v1``); see ``addon/runs.py``.
+(``http://{trajectory}:{secret}@…``, ``/t/{trajectory}/k/{secret}/v1``); see ``stepmill/auth/runs.py``.
 Next come the agent's own session ids.
 
 Ids travel as **tokens** that need no escaping anywhere (URL user-info, path segments, header

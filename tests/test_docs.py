@@ -14,10 +14,7 @@ from .doc_paths import ROOT, Name, exists, missing, names_in
 
 # Wrong names in comments the documentation's owner does not edit, each with its fix; the test fails
 # on any other, and on one of these once it is fixed (so the list only shrinks).
-KNOWN_WRONG = {
-    ("stepmill/rewards/functions.py", "store/scoring.py"): "stepmill/rewards/scoring.py",
-    ("stepmill/tags.py", "addon/runs.py"): "stepmill/auth/runs.py",
-}
+KNOWN_WRONG: dict = {}
 
 
 def test_the_site_builds_strict(tmp_path):

@@ -1,4 +1,4 @@
-"""Reward functions shipped with stepmill, for `stepmill score` (see store/scoring.py).
+"""Reward functions shipped with stepmill, for `stepmill score` (see stepmill/rewards/scoring.py).
 
 Each takes the trajectory (``messages``, ``completion``, ``metadata``, ``steps``) and options from
 the configuration, and returns a score, or (score, details).
