@@ -46,10 +46,10 @@ if how == "sqlite":
     from stepmill.trainer_bridge.consume import Consumer
     trainer = Consumer(Store(target["db"]), name, n=2, lease_seconds=lease)
 elif how == "http":
-    from stepmill.trainer_bridge.serve import NodeConsumer
+    from stepmill.fleet.node_consumer import NodeConsumer
     trainer = NodeConsumer(target["url"], name, token=target["token"], n=2, lease_seconds=lease)
 else:
-    from stepmill.trainer_bridge.remote import RemoteConsumer
+    from stepmill.fleet.remote_consumer import RemoteConsumer
     trainer = RemoteConsumer(target["url"], name, token=target["token"], lease_s=lease)
 with open(out, "a") as log:
     def say(**event):
@@ -347,7 +347,7 @@ def served(db, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_over_http_several_are_claimed_and_acknowledged_together(db, served):
-    from stepmill.trainer_bridge.serve import NodeConsumer
+    from stepmill.fleet.node_consumer import NodeConsumer
 
     url, token = served
     store = Store(db)
@@ -378,7 +378,7 @@ def test_over_http_several_are_claimed_and_acknowledged_together(db, served):
 
 @pytest.mark.timeout(120)
 def test_over_http_an_ack_with_one_lost_lease_acknowledges_none(db, served):
-    from stepmill.trainer_bridge.serve import NodeConsumer
+    from stepmill.fleet.node_consumer import NodeConsumer
 
     url, token = served
     store = Store(db)
@@ -405,7 +405,7 @@ def test_over_http_an_ack_with_one_lost_lease_acknowledges_none(db, served):
 
 @pytest.mark.timeout(180)
 def test_over_http_a_trainer_killed_between_claim_and_ack_gives_its_groups_back(db, served, tmp_path):
-    from stepmill.trainer_bridge.serve import NodeConsumer
+    from stepmill.fleet.node_consumer import NodeConsumer
 
     url, token = served
     store = Store(db)
@@ -455,7 +455,7 @@ def node(fleet, url, db, tmp_path):
 
 @pytest.mark.timeout(180)
 def test_through_the_coordinator_several_are_claimed_and_acknowledged_together(fleet, url, node):
-    from stepmill.trainer_bridge.remote import RemoteConsumer
+    from stepmill.fleet.remote_consumer import RemoteConsumer
 
     from .fleet_processes import acks_by_group
 
@@ -495,7 +495,7 @@ def test_through_the_coordinator_several_are_claimed_and_acknowledged_together(f
 
 @pytest.mark.timeout(180)
 def test_through_the_coordinator_a_lost_lease_makes_the_whole_ack_a_conflict(fleet, url, node):
-    from stepmill.trainer_bridge.remote import RemoteConsumer
+    from stepmill.fleet.remote_consumer import RemoteConsumer
 
     from .fleet_processes import acks_by_group
 
@@ -532,7 +532,7 @@ def test_through_the_coordinator_a_lost_lease_makes_the_whole_ack_a_conflict(fle
 @pytest.mark.timeout(240)
 def test_through_the_coordinator_a_trainer_killed_between_claim_and_ack_gives_its_groups_back(fleet, url, node,
                                                                                                 tmp_path):
-    from stepmill.trainer_bridge.remote import RemoteConsumer
+    from stepmill.fleet.remote_consumer import RemoteConsumer
 
     from .fleet_processes import acks_by_group
 

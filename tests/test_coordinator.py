@@ -91,7 +91,7 @@ def write(path: str, text: str) -> None:
 
 def hold_claims(url: str, consumer: str, n: int, lease_s: float, out: str) -> None:
     """Claim and hold: write the claims down, then wait to be killed."""
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     claims = Coordinator(url).claim(consumer, n, lease_s)
     write(out, json.dumps([dataclasses.asdict(c) for c in claims]))
@@ -100,7 +100,7 @@ def hold_claims(url: str, consumer: str, n: int, lease_s: float, out: str) -> No
 
 def consume(url: str, consumer: str, total: int, log: str) -> None:
     """Claim, work a moment, ack, until every group is acknowledged; each claim and ack logged as it happens."""
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     random.seed()  # forked: not the same pauses as the other consumers
     fleet = Coordinator(url, retry_s=30)
@@ -133,7 +133,7 @@ def consume(url: str, consumer: str, total: int, log: str) -> None:
 
 def run_runner(url: str, node: str, own: int, shared: int, go: Path, out: str) -> None:
     """A runner: its node, groups of its own, half of each shared group, and one run id both runners want."""
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     random.seed()
     fleet = Coordinator(url)
@@ -168,7 +168,7 @@ def run_runner(url: str, node: str, own: int, shared: int, go: Path, out: str) -
 
 def heartbeat(url: str, node: str, period: float) -> None:
     """A node's heartbeat, until killed."""
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     fleet = Coordinator(url)
     fleet.register_node(node, f"http://{node}.example:8780")
@@ -238,7 +238,7 @@ def test_ids_are_the_callers_and_one_run_lives_on_one_node(fleet):
 def test_the_schema_is_created_once_and_a_newer_one_is_refused(url):
     import psycopg
 
-    from stepmill.store.coordinator import MIGRATIONS, Coordinator
+    from stepmill.store.fleet_ledger import MIGRATIONS, Coordinator
 
     Coordinator(url).close()
     Coordinator(url).close()  # already there: only read
@@ -251,7 +251,7 @@ def test_the_schema_is_created_once_and_a_newer_one_is_refused(url):
 
 
 def test_the_url_comes_from_the_environment_and_its_password_is_never_shown(url, monkeypatch):
-    from stepmill.store.coordinator import ENV, Coordinator
+    from stepmill.store.fleet_ledger import ENV, Coordinator
 
     monkeypatch.setenv(ENV, url)
     with Coordinator() as fleet:
@@ -275,7 +275,7 @@ def test_the_url_comes_from_the_environment_and_its_password_is_never_shown(url,
        host=st.from_regex(r"[a-z][a-z0-9.-]{0,20}", fullmatch=True), port=st.integers(1, 65535),
        database=st.from_regex(r"[A-Za-z0-9_]{1,12}", fullmatch=True), in_query=st.booleans())
 def test_a_redacted_url_keeps_everything_but_the_password(user, password, host, port, database, in_query):
-    from stepmill.store.coordinator import _scrubbed, redacted
+    from stepmill.store.fleet_ledger import _scrubbed, redacted
 
     secret = quote(password, safe="")
     if in_query:
@@ -381,7 +381,7 @@ def test_groups_older_than_the_allowed_staleness_are_set_aside(fleet):
 # --- faults ---------------------------------------------------------------------------------------------
 
 def test_a_consumer_killed_while_holding_claims_gives_them_back_after_its_lease(fleet, url, tmp_path):
-    from stepmill.store.coordinator import Claim
+    from stepmill.store.fleet_ledger import Claim
 
     ready(fleet, ["g1", "g2", "g3"])
     holder = spawn(hold_claims, url, "doomed", 2, 3.0, str(tmp_path / "claims.json"))
@@ -453,7 +453,7 @@ def test_postgresql_restarted_under_consumers_hands_out_no_group_twice_and_loses
 
 def test_two_runners_register_into_one_coordinator_at_once(url, tmp_path):
     """On a new database: both runners also create the schema at the same moment."""
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     go = tmp_path / "go"
     runners = [spawn(run_runner, url, node, 6, 4, go, str(tmp_path / node)) for node in ("node-a", "node-b")]
@@ -482,7 +482,7 @@ def test_two_runners_register_into_one_coordinator_at_once(url, tmp_path):
 
 
 def test_a_node_that_stops_heartbeating_has_its_groups_reported_not_handed_out(url):
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     fleet = Coordinator(url, node_timeout_s=3.0)
     beats = {node: spawn(heartbeat, url, node, 0.2) for node in ("node-a", "node-b")}

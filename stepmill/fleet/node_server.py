@@ -3,7 +3,7 @@
     POST /v1/claim  {consumer, session?, n?, channel?, lease_seconds?, max_staleness?, scored?}
          → 200 a safetensors file (the batch's arrays; row metadata and counts in its metadata), or 204
     POST /v1/claims {consumer, k, session?, n?, …} → 200 up to k groups' batches in one safetensors file
-         (``batches_from_bytes``), or 204
+         (``batch_wire.batches_from_bytes``), or 204
     POST /v1/ack    {consumer, group_id | group_ids, session?} → 200: all acknowledged in one transaction,
          or none and 409 naming each group no longer held (404: never claimed). The row counts were
          recorded when the batches were made.
@@ -12,43 +12,32 @@
     GET  /v1/groups/{group_id}/batch?run=T1&run=T2&max_prompt_length=…&max_response_length=…&overlong=…&pad_id=…
          → 200 the group's gated steps (those of the named runs, all of them without ``run``) as one
          batch, the step layout of ``Consumer``; 404 when a named run is not in this file. The fleet's
-         consumer (``remote.RemoteConsumer``) claims through the coordinator and fetches here.
+         consumer (``remote_consumer.RemoteConsumer``) claims through the coordinator and fetches here.
     GET  /v1/health
 
 Every call but health needs the write token (``Authorization: Bearer``), as the control API does.
 ``session`` names one consumer instance (``Consumer``'s): it is never handed a group it holds, and a
 new session under the same name (a restarted trainer) takes up the name's groups first; a claim
-without one is a session of its own. On the trainer's side, ``NodeConsumer`` (below) is ``Consumer``
-over HTTP: the same methods, errors (``Conflict``, ``NotFound``) and iteration.
+without one is a session of its own. On the trainer's side, ``NodeConsumer`` (``node_consumer.py``) is
+``Consumer`` over HTTP: the same methods, errors (``Conflict``, ``NotFound``) and iteration.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 import threading
-import urllib.error
-import urllib.request
-from collections import Counter
-from contextlib import contextmanager
-from typing import Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
-import numpy as np
-
 from stepmill.auth.write_token import bearer_matches
 from stepmill.errors import BadInput, Conflict, NotFound
-from stepmill.protocols.http_json import send_body, send_json
+from stepmill.fleet.batch_wire import LAYOUT_FIELDS, batch_bytes, batches_bytes
+from stepmill.http_answers import send_body, send_json
 from stepmill.store import Store
-from stepmill.store.ids import new_id
-
-from stepmill.trainer_bridge.consume import Consumer, acknowledging, group_ids, stepping
+from stepmill.trainer_bridge.consume import Consumer
 from stepmill.trainer_bridge.layouts import OVERLONG, Batch, group_batch
 
 CLAIM_FIELDS = {"consumer", "session", "n", "channel", "lease_seconds", "max_staleness", "scored"}
-# The step layout's options a group's batch may be asked with (query parameters), and their types.
-LAYOUT_FIELDS = {"max_prompt_length": int, "max_response_length": int, "overlong": str, "pad_id": int}
 
 
 def layout_options(query: dict[str, list[str]]) -> dict:
@@ -77,42 +66,6 @@ def runs_batch(store: Store, group_id: str, runs: list[str], **layout) -> Batch:
         if missing:
             raise NotFound(f"run(s) {', '.join(missing[:5])} of group {group_id!r} are not in this node's file")
     return group_batch(store, group_id, trajectory_ids=runs or None, **layout)
-
-
-def batch_bytes(batch: Batch) -> bytes:
-    from safetensors.numpy import save
-
-    tensors = {name: np.ascontiguousarray(array) for name, array in batch.tensors.items()}
-    return save(tensors, metadata={"meta": json.dumps(batch.meta, default=str),
-                                   "report": json.dumps(dict(batch.report))})
-
-
-def batch_from_bytes(data: bytes) -> Batch:
-    from safetensors.numpy import load
-
-    (length,) = struct.unpack("<Q", data[:8])
-    metadata = json.loads(data[8:8 + length]).get("__metadata__") or {}
-    return Batch(load(data), json.loads(metadata.get("meta", "{}")), Counter(json.loads(metadata.get("report", "{}"))))
-
-
-def batches_bytes(batches: list[Batch]) -> bytes:
-    """Several batches in one safetensors file: batch i's arrays named ``i/name``."""
-    from safetensors.numpy import save
-
-    tensors = {f"{i}/{name}": np.ascontiguousarray(array) for i, batch in enumerate(batches)
-               for name, array in batch.tensors.items()}
-    return save(tensors, metadata={"batches": json.dumps([{"meta": b.meta, "report": dict(b.report)}
-                                                          for b in batches], default=str)})
-
-
-def batches_from_bytes(data: bytes) -> list[Batch]:
-    from safetensors.numpy import load
-
-    (length,) = struct.unpack("<Q", data[:8])
-    described = json.loads((json.loads(data[8:8 + length]).get("__metadata__") or {}).get("batches", "[]"))
-    arrays = load(data)
-    return [Batch({name.partition("/")[2]: array for name, array in arrays.items() if name.startswith(f"{i}/")},
-                  about["meta"], Counter(about["report"])) for i, about in enumerate(described)]
 
 
 def _group_list(body: dict) -> list[str]:
@@ -215,141 +168,4 @@ def make_server(db_path: str, host: str, port: int, token: str) -> ThreadingHTTP
     return ThreadingHTTPServer((host, port), Handler)
 
 
-class _Refusal(urllib.error.HTTPError):
-    def __init__(self, exc: urllib.error.HTTPError, message: str):
-        urllib.error.HTTPError.__init__(self, exc.url, exc.code, message, exc.headers, None)
-        self.args = (message,)
-
-    def __str__(self) -> str:
-        return self.args[0]
-
-
-class Refused(Conflict, _Refusal):
-    """The server's 409 (a group no longer held): a ``Conflict`` with its message, and the HTTP error."""
-
-    __init__, __str__ = _Refusal.__init__, _Refusal.__str__
-
-
-class Unknown(NotFound, _Refusal):
-    """The server's 404 (a group nobody claimed): a ``NotFound`` with its message, and the HTTP error."""
-
-    __init__, __str__ = _Refusal.__init__, _Refusal.__str__
-
-
-def _refusal(exc: urllib.error.HTTPError) -> Exception:
-    """The server's refusal as stepmill's error (still an ``HTTPError``), its message the server's."""
-    kind = {409: Refused, 404: Unknown}.get(exc.code)
-    if kind is None:
-        return exc
-    try:
-        message = json.loads(exc.read()).get("error") or str(exc.reason)
-    except (ValueError, AttributeError):
-        message = str(exc.reason)
-    return kind(exc, message)
-
-
-class NodeConsumer:
-    """``Consumer`` of one node over HTTP: ``for batch in NodeConsumer(url, "trainer-0", n=8): …``, or
-    ``claim_many(k)`` … ``ack_many(batches)`` (``step(k)``), ``renew()``, ``release_many`` (a fleet's
-    trainers use ``remote.RemoteConsumer``, which finds the node of each group). A refused ack is a
-    ``Conflict`` (409) naming the groups no longer held, an unknown group ``NotFound`` (404); both are
-    also ``urllib.error.HTTPError``."""
-
-    def __init__(self, url: str, name: str, *, token: str | None = None, confdir: str | None = None,
-                 timeout: float = 120, session: str | None = None, **params):
-        from stepmill.auth.write_token import read_token
-
-        self.url, self.name, self.timeout = url.rstrip("/"), name, timeout
-        self.token = token or read_token(confdir)
-        self.session = session or new_id("session")
-        self.params = params
-        self.lease_seconds = params.get("lease_seconds", 600)
-        self.report: Counter = Counter()
-        self._acked: set = set()
-        self.held: list[str] = []  # groups claimed and neither acknowledged nor given back, oldest first
-
-    def _post(self, path: str, body: dict):
-        request = urllib.request.Request(self.url + path, data=json.dumps({"consumer": self.name, **body}).encode(),
-                                         method="POST", headers={"Content-Type": "application/json",
-                                                                 "Authorization": f"Bearer {self.token or ''}"})
-        try:
-            return urllib.request.urlopen(request, timeout=self.timeout)
-        except urllib.error.HTTPError as exc:
-            raise _refusal(exc) from None
-
-    def claim(self) -> Batch | None:
-        batches = self.claim_many(1)
-        return batches[0] if batches else None
-
-    def claim_many(self, k: int) -> list[Batch]:
-        """Up to ``k`` groups' batches, leased to this consumer in one transaction; [] when none is ready."""
-        with self._post("/v1/claims", {"session": self.session, "k": k, **self.params}) as response:
-            batches = [] if response.status == 204 else batches_from_bytes(response.read())
-        if batches:
-            self.report.update(batches[0].report)
-        self.held += group_ids(batches)
-        return batches
-
-    def ack(self, batch: Batch) -> None:
-        self.ack_many([batch])
-
-    def ack_many(self, batches: Iterable[Batch]) -> None:
-        """All the batches' groups acknowledged in one transaction, or none (``Conflict`` naming each lost)."""
-        groups = group_ids(batches)
-        self._acked.update(groups)
-        self._post("/v1/ack", {"session": self.session, "group_ids": groups}).close()
-        self._forget(groups)
-        self.report["groups acknowledged"] += len(groups)
-
-    def release(self, batch: Batch) -> None:
-        self.release_many([batch])
-
-    def release_many(self, batches: Iterable[Batch]) -> list[str]:
-        groups = group_ids(batches)
-        with self._post("/v1/release", {"session": self.session, "group_ids": groups}) as response:
-            released = json.loads(response.read())["released"]
-        self._forget(groups)
-        return released
-
-    def renew(self, batches: Iterable[Batch] | None = None) -> list[str]:
-        """Extend the leases (None: of every group held); returns the groups no longer held."""
-        groups = list(self.held) if batches is None else group_ids(batches)
-        if not groups:
-            return []
-        with self._post("/v1/renew", {"session": self.session, "group_ids": groups,
-                                      "lease_seconds": self.lease_seconds}) as response:
-            lost = json.loads(response.read())["lost"]
-        if lost:
-            self.report["leases lost while held"] += len(lost)
-        return lost
-
-    @contextmanager
-    def step(self, k: int) -> Iterator[list[Batch]]:
-        """Up to ``k`` batches, acknowledged together after the block, given back when it raises."""
-        with stepping(self, k) as batches:
-            yield batches
-
-    def _forget(self, groups: list[str]) -> None:
-        done = set(groups)
-        self.held = [group for group in self.held if group not in done]
-
-    def __iter__(self):
-        """Asking for the next batch acknowledges the one before, as ``Consumer`` does."""
-        return acknowledging(self)
-
-    def as_torch_dataset(self):
-        """A torch ``IterableDataset`` of batches (each acknowledged when the next is asked for)."""
-        import torch
-
-        consumer = self
-
-        class Stream(torch.utils.data.IterableDataset):
-            def __iter__(self):
-                for batch in consumer:
-                    yield batch.to_torch()
-
-        return Stream()
-
-
-__all__ = ["make_server", "NodeConsumer", "batch_bytes", "batch_from_bytes", "batches_bytes", "batches_from_bytes",
-           "runs_batch"]
+__all__ = ["make_server", "layout_options", "runs_batch"]

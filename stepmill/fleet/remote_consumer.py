@@ -41,11 +41,10 @@ from typing import Iterator
 from urllib.parse import quote, urlencode
 
 from stepmill.errors import BadInput, ConfigError, Conflict, NotFound, StoreUnavailable
-from stepmill.store.coordinator import Claim, Coordinator
-
+from stepmill.fleet.batch_wire import LAYOUT_FIELDS, batch_from_bytes
+from stepmill.store.fleet_ledger import Claim, Coordinator
 from stepmill.trainer_bridge.consume import acknowledging, stepping
 from stepmill.trainer_bridge.layouts import Batch, concat_step_batches
-from stepmill.trainer_bridge.serve import LAYOUT_FIELDS, batch_from_bytes
 
 
 log = logging.getLogger("stepmill")
