@@ -46,7 +46,7 @@ from stepmill.fleet.remote_consumer import RemoteConsumer
 
 url, name, tokens, out, hold, lease, expect, die = sys.argv[1:9]
 fleet = Coordinator(url)
-trainer = RemoteConsumer(fleet, name, tokens=json.loads(tokens), lease_s=float(lease), retry_after_s=1)
+trainer = RemoteConsumer(fleet, name, tokens=json.loads(tokens), lease_seconds=float(lease), retry_after_s=1)
 with open(out, "a") as log:
     def say(**event):
         log.write(json.dumps({"consumer": name, **event}) + "\n")

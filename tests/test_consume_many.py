@@ -50,7 +50,7 @@ elif how == "http":
     trainer = NodeConsumer(target["url"], name, token=target["token"], n=2, lease_seconds=lease)
 else:
     from stepmill.fleet.remote_consumer import RemoteConsumer
-    trainer = RemoteConsumer(target["url"], name, token=target["token"], lease_s=lease)
+    trainer = RemoteConsumer(target["url"], name, token=target["token"], lease_seconds=lease)
 with open(out, "a") as log:
     def say(**event):
         log.write(json.dumps({"consumer": name, **event}) + "\n")
@@ -473,13 +473,13 @@ def test_through_the_coordinator_several_are_claimed_and_acknowledged_together(f
         history = fleet.history(groups[0])
         assert (history[-1]["ended"], history[-1]["staleness"], history[-1]["policy_version"]) == ("acked", 3, "5")
 
-    slow = RemoteConsumer(url, "slow", token=token, lease_s=0.5)
+    slow = RemoteConsumer(url, "slow", token=token, lease_seconds=0.5)
     slow.close()  # it renews nothing: its leases run out
     held = slow.claim_many(3)
     assert [b.meta["group_id"] for b in held] == groups[4:]
     fleet.set_policy_version(6)
     time.sleep(0.7)
-    (claim,) = fleet.claim("fast", 1, lease_s=60)
+    (claim,) = fleet.claim("fast", 1, lease_seconds=60)
     assert claim.group_id == groups[4] and claim.staleness == 4
     with pytest.raises(Conflict, match=rf"{groups[4]!r}.*leased to 'fast'") as refused:
         slow.ack_many(held)
@@ -502,11 +502,11 @@ def test_through_the_coordinator_a_lost_lease_makes_the_whole_ack_a_conflict(fle
     store, token = node
     groups = make_groups(store, "fl", 3)
     wait_until(lambda: fleet.counts()["ready"] == len(groups), timeout=30, what="every group ready")
-    slow = RemoteConsumer(url, "slow", token=token, lease_s=0.5)
+    slow = RemoteConsumer(url, "slow", token=token, lease_seconds=0.5)
     slow.close()
     batches = slow.claim_many(3)
     time.sleep(0.7)
-    (claim,) = fleet.claim("thief", 1, lease_s=60)
+    (claim,) = fleet.claim("thief", 1, lease_seconds=60)
     with pytest.raises(Conflict, match=rf"{claim.group_id!r}.*'thief'.*None of the 3 groups was acknowledged"):
         slow.ack_many(batches)
     assert fleet.counts()["acked"] == 0 and sorted(slow.held) == sorted(set(groups) - {claim.group_id})

@@ -212,7 +212,7 @@ def test_a_proxy_killed_mid_stream_keeps_its_finished_calls_and_the_group_waits(
         streaming.join(30)
         upstream.release(f"gated-stream-{marker}")
 
-        trainer = RemoteConsumer(url, "trainer", tokens={"node-k": node.proxy.token}, lease_s=5)
+        trainer = RemoteConsumer(url, "trainer", tokens={"node-k": node.proxy.token}, lease_seconds=5)
         time.sleep(1.0)  # a few heartbeats of the node: nothing to publish, the run is not complete
         assert fleet.counts()["waiting"] == 1 and trainer.claim() is None  # not handed out incomplete
 
