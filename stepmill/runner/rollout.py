@@ -99,7 +99,8 @@ def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> 
     """The rollout on this machine. ``executor = "ray"`` is the fleet's (``stepmill.fleet.ray_rollout``):
     the command chooses."""
     if config.run.executor == "ray":
-        raise ConfigError('executor = "ray": the rollout runs on the Ray cluster (stepmill.fleet.ray_rollout)')
+        raise ConfigError('executor = "ray" runs on a Ray cluster: `stepmill rollout`, or '
+                          'stepmill.fleet.ray_rollout.rollout_on_ray')
     mode = checked_isolation(config)
     proxy = ProxyHandle(config, db)
     try:
