@@ -29,7 +29,7 @@ import uuid
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from stepmill.protocols.http_json import send_json
+from stepmill.http_answers import send_json
 from stepmill.protocols.messages import content_text
 
 MODEL = "stepmill-simulated-qwen"

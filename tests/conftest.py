@@ -260,7 +260,7 @@ def url(postgres):
 
 @pytest.fixture
 def fleet(url):
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     with Coordinator(url) as coordinator:
         yield coordinator

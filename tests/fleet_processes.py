@@ -41,12 +41,12 @@ def start_serve(node_id: str, db, confdir, url: str, tmp: Path) -> tuple[subproc
 CONSUMER = r"""
 import json, sys, time
 from stepmill.errors import Conflict
-from stepmill.store.coordinator import Coordinator
-from stepmill.trainer_bridge.remote import RemoteConsumer
+from stepmill.store.fleet_ledger import Coordinator
+from stepmill.fleet.remote_consumer import RemoteConsumer
 
 url, name, tokens, out, hold, lease, expect, die = sys.argv[1:9]
 fleet = Coordinator(url)
-trainer = RemoteConsumer(fleet, name, tokens=json.loads(tokens), lease_s=float(lease), retry_after_s=1)
+trainer = RemoteConsumer(fleet, name, tokens=json.loads(tokens), lease_seconds=float(lease), retry_after_s=1)
 with open(out, "a") as log:
     def say(**event):
         log.write(json.dumps({"consumer": name, **event}) + "\n")

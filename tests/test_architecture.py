@@ -19,7 +19,7 @@ FOLDERS = {"addon": "stepmill.addon", "store": "stepmill.store", "trainer_bridge
 # Room -> the modules it holds (longest prefix wins).
 ROOMS = {
     "foundation": ("stepmill", "stepmill.errors", "stepmill.protocols", "stepmill.tags", "stepmill.auth",
-                   "stepmill.private_files", "stepmill.children", "stepmill.qwen_vocab"),
+                   "stepmill.private_files", "stepmill.children", "stepmill.qwen_vocab", "stepmill.http_answers"),
     "store": ("stepmill.store",),
     "pipeline": ("stepmill.pipeline",),
     "api": ("stepmill.api",),
@@ -30,6 +30,7 @@ ROOMS = {
     "client": ("stepmill.client",),
     "agents": ("stepmill.agents",),
     "runner": ("stepmill.runner",),
+    "fleet": ("stepmill.fleet",),
     "simulated_llm": ("stepmill.simulated_llm",),
     "proxy": ("stepmill.proxy_master",),
     "train": ("stepmill.train",),
@@ -49,9 +50,11 @@ MAY_IMPORT = {
     "client": set(),
     "agents": {"client"},
     "runner": {"store", "rewards", "client"},
+    # The fleet runs the runner's runs on a cluster and serves the bridge's batches; its ledger is the store's.
+    "fleet": {"store", "bridge", "runner", "rewards"},
     "simulated_llm": {"agents"},
     "proxy": {"addon", "pipeline"},
-    "train": {"store", "bridge", "rewards", "runner", "client"},  # torch only here
+    "train": {"store", "bridge", "rewards", "runner", "client", "fleet"},  # torch only here
     "demo": set(ROOMS) - {"cli", "demo"},
     "cli": set(ROOMS) - {"cli"},
 }
@@ -133,6 +136,90 @@ def test_no_room_imports_upward():
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
 
 
+def reachable(room: str) -> set[str]:
+    """The rooms a room may import, directly or through the rooms it may import."""
+    found, todo = set(), [room]
+    while todo:
+        for below in MAY_IMPORT[todo.pop()] - found:
+            found.add(below)
+            todo.append(below)
+    return found
+
+
+def test_the_fleet_stands_on_the_store_and_the_runner_never_the_reverse():
+    assert {"store", "runner"} <= MAY_IMPORT["fleet"]
+    assert [room for room in ROOMS if "fleet" in reachable(room)] == ["train", "demo", "cli"]
+
+
+# The wire formats of LLM APIs stand alone: their modules import each other and stepmill's errors only,
+# never the pipeline that records them (nor anything else of stepmill).
+PROTOCOLS_MAY_IMPORT = ("stepmill.protocols", "stepmill.errors")
+
+
+def test_the_protocols_import_nothing_of_the_pipeline():
+    known = modules()
+    wrong = []
+    for module, path in known.items():
+        if not module.startswith("stepmill.protocols"):
+            continue
+        for line, name in imports(module, path):
+            target = name if name in known else name.rpartition(".")[0]
+            if not any(target == allowed or target.startswith(allowed + ".") for allowed in PROTOCOLS_MAY_IMPORT):
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: {module} imports {target}")
+    assert not wrong, "the protocols import beyond themselves:\n" + "\n".join(wrong)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the stepmill modules it imports (at the top or inside functions), each ``from pkg import
+    name`` resolved to the module it names or, for an attribute, the module that holds it."""
+    known = modules()
+    graph = {}
+    for module, path in known.items():
+        targets = {name if name in known else name.rpartition(".")[0] for _, name in imports(module, path)}
+        graph[module] = {target for target in targets if target in known and target != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (its modules in import order, the first again at the end) for each import that closes one."""
+    found, done, trail = [], set(), []
+    on_trail: dict[str, int] = {}
+
+    def visit(module: str) -> None:
+        on_trail[module] = len(trail)
+        trail.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target in on_trail:
+                found.append(trail[on_trail[target]:] + [target])
+            elif target not in done:
+                visit(target)
+        trail.pop()
+        del on_trail[module]
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            visit(module)
+    return found
+
+
+def test_the_module_imports_have_no_cycle():
+    """A cycle makes the import order matter (a name read before its module finished running) and ties two
+    modules into one: the shared piece belongs in a module both import."""
+    found = cycles(import_graph())
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in found)
+
+
+@pytest.mark.parametrize("graph, expected", [
+    ({"a": {"b"}, "b": {"a"}}, [["a", "b", "a"]]),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}, [["a", "b", "c", "a"]]),
+    ({"a": {"a"}}, [["a", "a"]]),
+    ({"a": {"b", "c"}, "b": {"c"}, "c": set()}, []),
+])
+def test_the_cycle_finder_names_each_cycle(graph, expected):
+    assert cycles(graph) == expected
+
+
 SQL = re.compile(r"\b(?:SELECT\b.+\bFROM|INSERT\s+(?:OR\s+\w+\s+)?INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM|PRAGMA\s+\w+"
                  r"|CREATE\s+(?:UNIQUE\s+)?(?:TABLE|INDEX|VIEW|TRIGGER)|ALTER\s+TABLE|DROP\s+(?:TABLE|INDEX))\b"
                  # a condition handed to the store as text: "s.group_id = ?", "t.id IN (", "s.x IS NULL"
@@ -140,10 +227,10 @@ SQL = re.compile(r"\b(?:SELECT\b.+\bFROM|INSERT\s+(?:OR\s+\w+\s+)?INTO|UPDATE\s+
 # Ways to hand SQL to a database from outside the store.
 SQL_CALLS = re.compile(r"\.(?:execute|executemany|executescript)\(|\bstore\.query\(|\.db\.conn\b|\bsqlite3\b"
                        r"|\.write\(\) as conn\b")
-# What of the store the other rooms may import: Store and its record type, the fleet's coordinator, and
+# What of the store the other rooms may import: Store and its record type, the fleet's ledger, and
 # the few vocabularies and formats its rows speak (timestamps, column codecs, curation's sources and
 # labels); the UI also its page queries. Everything else in store/ is the store's own business.
-STORE_SURFACE = {"stepmill.store", "stepmill.store.records", "stepmill.store.coordinator", "stepmill.store.ids",
+STORE_SURFACE = {"stepmill.store", "stepmill.store.records", "stepmill.store.fleet_ledger", "stepmill.store.ids",
                  "stepmill.store.encoding", "stepmill.store.curation"}
 STORE_SURFACE_FOR = {"ui": {"stepmill.store.views"}, "cli": {"stepmill.store.views"}, "demo": {"stepmill.store.views"}}
 

@@ -99,7 +99,7 @@ def test_a_remote_trainer_pulls_over_http(proxy, marker):
 
     import pytest
 
-    from stepmill.trainer_bridge.serve import NodeConsumer
+    from stepmill.fleet.node_consumer import NodeConsumer
 
     from .conftest import STEPMILL, free_port, wait_until
 

@@ -46,11 +46,11 @@ if how == "sqlite":
     from stepmill.trainer_bridge.consume import Consumer
     trainer = Consumer(Store(target["db"]), name, n=2, lease_seconds=lease)
 elif how == "http":
-    from stepmill.trainer_bridge.serve import NodeConsumer
+    from stepmill.fleet.node_consumer import NodeConsumer
     trainer = NodeConsumer(target["url"], name, token=target["token"], n=2, lease_seconds=lease)
 else:
-    from stepmill.trainer_bridge.remote import RemoteConsumer
-    trainer = RemoteConsumer(target["url"], name, token=target["token"], lease_s=lease)
+    from stepmill.fleet.remote_consumer import RemoteConsumer
+    trainer = RemoteConsumer(target["url"], name, token=target["token"], lease_seconds=lease)
 with open(out, "a") as log:
     def say(**event):
         log.write(json.dumps({"consumer": name, **event}) + "\n")
@@ -347,7 +347,7 @@ def served(db, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_over_http_several_are_claimed_and_acknowledged_together(db, served):
-    from stepmill.trainer_bridge.serve import NodeConsumer
+    from stepmill.fleet.node_consumer import NodeConsumer
 
     url, token = served
     store = Store(db)
@@ -378,7 +378,7 @@ def test_over_http_several_are_claimed_and_acknowledged_together(db, served):
 
 @pytest.mark.timeout(120)
 def test_over_http_an_ack_with_one_lost_lease_acknowledges_none(db, served):
-    from stepmill.trainer_bridge.serve import NodeConsumer
+    from stepmill.fleet.node_consumer import NodeConsumer
 
     url, token = served
     store = Store(db)
@@ -405,7 +405,7 @@ def test_over_http_an_ack_with_one_lost_lease_acknowledges_none(db, served):
 
 @pytest.mark.timeout(180)
 def test_over_http_a_trainer_killed_between_claim_and_ack_gives_its_groups_back(db, served, tmp_path):
-    from stepmill.trainer_bridge.serve import NodeConsumer
+    from stepmill.fleet.node_consumer import NodeConsumer
 
     url, token = served
     store = Store(db)
@@ -455,7 +455,7 @@ def node(fleet, url, db, tmp_path):
 
 @pytest.mark.timeout(180)
 def test_through_the_coordinator_several_are_claimed_and_acknowledged_together(fleet, url, node):
-    from stepmill.trainer_bridge.remote import RemoteConsumer
+    from stepmill.fleet.remote_consumer import RemoteConsumer
 
     from .fleet_processes import acks_by_group
 
@@ -473,13 +473,13 @@ def test_through_the_coordinator_several_are_claimed_and_acknowledged_together(f
         history = fleet.history(groups[0])
         assert (history[-1]["ended"], history[-1]["staleness"], history[-1]["policy_version"]) == ("acked", 3, "5")
 
-    slow = RemoteConsumer(url, "slow", token=token, lease_s=0.5)
+    slow = RemoteConsumer(url, "slow", token=token, lease_seconds=0.5)
     slow.close()  # it renews nothing: its leases run out
     held = slow.claim_many(3)
     assert [b.meta["group_id"] for b in held] == groups[4:]
     fleet.set_policy_version(6)
     time.sleep(0.7)
-    (claim,) = fleet.claim("fast", 1, lease_s=60)
+    (claim,) = fleet.claim("fast", 1, lease_seconds=60)
     assert claim.group_id == groups[4] and claim.staleness == 4
     with pytest.raises(Conflict, match=rf"{groups[4]!r}.*leased to 'fast'") as refused:
         slow.ack_many(held)
@@ -495,18 +495,18 @@ def test_through_the_coordinator_several_are_claimed_and_acknowledged_together(f
 
 @pytest.mark.timeout(180)
 def test_through_the_coordinator_a_lost_lease_makes_the_whole_ack_a_conflict(fleet, url, node):
-    from stepmill.trainer_bridge.remote import RemoteConsumer
+    from stepmill.fleet.remote_consumer import RemoteConsumer
 
     from .fleet_processes import acks_by_group
 
     store, token = node
     groups = make_groups(store, "fl", 3)
     wait_until(lambda: fleet.counts()["ready"] == len(groups), timeout=30, what="every group ready")
-    slow = RemoteConsumer(url, "slow", token=token, lease_s=0.5)
+    slow = RemoteConsumer(url, "slow", token=token, lease_seconds=0.5)
     slow.close()
     batches = slow.claim_many(3)
     time.sleep(0.7)
-    (claim,) = fleet.claim("thief", 1, lease_s=60)
+    (claim,) = fleet.claim("thief", 1, lease_seconds=60)
     with pytest.raises(Conflict, match=rf"{claim.group_id!r}.*'thief'.*None of the 3 groups was acknowledged"):
         slow.ack_many(batches)
     assert fleet.counts()["acked"] == 0 and sorted(slow.held) == sorted(set(groups) - {claim.group_id})
@@ -532,7 +532,7 @@ def test_through_the_coordinator_a_lost_lease_makes_the_whole_ack_a_conflict(fle
 @pytest.mark.timeout(240)
 def test_through_the_coordinator_a_trainer_killed_between_claim_and_ack_gives_its_groups_back(fleet, url, node,
                                                                                                 tmp_path):
-    from stepmill.trainer_bridge.remote import RemoteConsumer
+    from stepmill.fleet.remote_consumer import RemoteConsumer
 
     from .fleet_processes import acks_by_group
 

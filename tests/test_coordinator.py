@@ -91,7 +91,7 @@ def write(path: str, text: str) -> None:
 
 def hold_claims(url: str, consumer: str, n: int, lease_s: float, out: str) -> None:
     """Claim and hold: write the claims down, then wait to be killed."""
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     claims = Coordinator(url).claim(consumer, n, lease_s)
     write(out, json.dumps([dataclasses.asdict(c) for c in claims]))
@@ -100,7 +100,7 @@ def hold_claims(url: str, consumer: str, n: int, lease_s: float, out: str) -> No
 
 def consume(url: str, consumer: str, total: int, log: str) -> None:
     """Claim, work a moment, ack, until every group is acknowledged; each claim and ack logged as it happens."""
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     random.seed()  # forked: not the same pauses as the other consumers
     fleet = Coordinator(url, retry_s=30)
@@ -111,7 +111,7 @@ def consume(url: str, consumer: str, total: int, log: str) -> None:
             out.flush()
 
         while time.monotonic() < deadline:
-            claims = fleet.claim(consumer, 2, lease_s=3)
+            claims = fleet.claim(consumer, 2, lease_seconds=3)
             for claim in claims:
                 note("claim", claim.group_id, claim.lease_id)
             if not claims:
@@ -133,7 +133,7 @@ def consume(url: str, consumer: str, total: int, log: str) -> None:
 
 def run_runner(url: str, node: str, own: int, shared: int, go: Path, out: str) -> None:
     """A runner: its node, groups of its own, half of each shared group, and one run id both runners want."""
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     random.seed()
     fleet = Coordinator(url)
@@ -168,7 +168,7 @@ def run_runner(url: str, node: str, own: int, shared: int, go: Path, out: str) -
 
 def heartbeat(url: str, node: str, period: float) -> None:
     """A node's heartbeat, until killed."""
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     fleet = Coordinator(url)
     fleet.register_node(node, f"http://{node}.example:8780")
@@ -238,7 +238,7 @@ def test_ids_are_the_callers_and_one_run_lives_on_one_node(fleet):
 def test_the_schema_is_created_once_and_a_newer_one_is_refused(url):
     import psycopg
 
-    from stepmill.store.coordinator import MIGRATIONS, Coordinator
+    from stepmill.store.fleet_ledger import MIGRATIONS, Coordinator
 
     Coordinator(url).close()
     Coordinator(url).close()  # already there: only read
@@ -251,7 +251,7 @@ def test_the_schema_is_created_once_and_a_newer_one_is_refused(url):
 
 
 def test_the_url_comes_from_the_environment_and_its_password_is_never_shown(url, monkeypatch):
-    from stepmill.store.coordinator import ENV, Coordinator
+    from stepmill.store.fleet_ledger import ENV, Coordinator
 
     monkeypatch.setenv(ENV, url)
     with Coordinator() as fleet:
@@ -275,7 +275,7 @@ def test_the_url_comes_from_the_environment_and_its_password_is_never_shown(url,
        host=st.from_regex(r"[a-z][a-z0-9.-]{0,20}", fullmatch=True), port=st.integers(1, 65535),
        database=st.from_regex(r"[A-Za-z0-9_]{1,12}", fullmatch=True), in_query=st.booleans())
 def test_a_redacted_url_keeps_everything_but_the_password(user, password, host, port, database, in_query):
-    from stepmill.store.coordinator import _scrubbed, redacted
+    from stepmill.store.fleet_ledger import _scrubbed, redacted
 
     secret = quote(password, safe="")
     if in_query:
@@ -297,12 +297,12 @@ def test_a_redacted_url_keeps_everything_but_the_password(user, password, host, 
 
 def test_an_ack_takes_effect_once_and_a_late_one_is_refused(fleet):
     ready(fleet, ["g1", "g2"])
-    first = fleet.claim("t0", 1, lease_s=1.5)
+    first = fleet.claim("t0", 1, lease_seconds=1.5)
     assert [c.group_id for c in first] == ["g1"] and first[0].runs == {"g1-r0": "node-a", "g1-r1": "node-a"}
     assert first[0].nodes == {"node-a": "http://node-a.example:8780"}
-    assert [c.group_id for c in fleet.claim("t1", 5, lease_s=60)] == ["g2"]  # g1 is held
+    assert [c.group_id for c in fleet.claim("t1", 5, lease_seconds=60)] == ["g2"]  # g1 is held
     time.sleep(max(0.0, first[0].lease_until - time.time()) + 0.1)
-    second = fleet.claim("t1", 5, lease_s=60)  # t0's lease ran out: g1 goes to t1
+    second = fleet.claim("t1", 5, lease_seconds=60)  # t0's lease ran out: g1 goes to t1
     assert [c.group_id for c in second] == ["g1"]
     with pytest.raises(Conflict, match="leased to 't1'"):
         fleet.ack(first[0])
@@ -313,21 +313,21 @@ def test_an_ack_takes_effect_once_and_a_late_one_is_refused(fleet):
     with pytest.raises(Conflict):
         fleet.release(second[0])
     assert [h["ended"] for h in fleet.history("g1")] == ["expired", "acked"]
-    assert fleet.claim("t2", 5, lease_s=60) == []
+    assert fleet.claim("t2", 5, lease_seconds=60) == []
 
 
 def test_a_holder_may_still_ack_after_its_lease_ran_out_if_nobody_took_the_group(fleet):
     ready(fleet, ["g1"])
-    (claim,) = fleet.claim("t0", 1, lease_s=0.2)
+    (claim,) = fleet.claim("t0", 1, lease_seconds=0.2)
     time.sleep(0.4)
     assert fleet.counts()["ready"] == 1  # it could be handed out again ...
     fleet.ack(claim)  # ... but its holder got there first
-    assert fleet.claim("t1", 1, lease_s=60) == [] and fleet.counts()["acked"] == 1
+    assert fleet.claim("t1", 1, lease_seconds=60) == [] and fleet.counts()["acked"] == 1
 
 
 def test_release_renew_and_a_restarted_consumer_taking_up_its_claims(fleet):
     ready(fleet, ["g1", "g2"])
-    c1, c2 = fleet.claim("t0", 2, lease_s=60)
+    c1, c2 = fleet.claim("t0", 2, lease_seconds=60)
     assert {c.group_id for c in fleet.held("t0")} == {"g1", "g2"} and fleet.held("t1") == []
     fleet.release(c1)
     fleet.release(c1)  # twice: nothing more
@@ -335,7 +335,7 @@ def test_release_renew_and_a_restarted_consumer_taking_up_its_claims(fleet):
         fleet.ack(c1)
     renewed = fleet.renew(c2, 120)
     assert renewed.lease_id == c2.lease_id and renewed.lease_until > c2.lease_until
-    (again,) = fleet.claim("t1", 5, lease_s=60)
+    (again,) = fleet.claim("t1", 5, lease_seconds=60)
     assert again.group_id == "g1" and again.lease_id != c1.lease_id
     with pytest.raises(Conflict):
         fleet.renew(c1, 60)
@@ -381,12 +381,12 @@ def test_groups_older_than_the_allowed_staleness_are_set_aside(fleet):
 # --- faults ---------------------------------------------------------------------------------------------
 
 def test_a_consumer_killed_while_holding_claims_gives_them_back_after_its_lease(fleet, url, tmp_path):
-    from stepmill.store.coordinator import Claim
+    from stepmill.store.fleet_ledger import GroupLease
 
     ready(fleet, ["g1", "g2", "g3"])
     holder = spawn(hold_claims, url, "doomed", 2, 3.0, str(tmp_path / "claims.json"))
     try:
-        held = [Claim(**c) for c in json.loads(written(tmp_path / "claims.json"))]
+        held = [GroupLease(**c) for c in json.loads(written(tmp_path / "claims.json"))]
         assert [c.group_id for c in held] == ["g1", "g2"] and holder.is_alive()
     finally:
         os.kill(holder.pid, signal.SIGKILL)
@@ -453,7 +453,7 @@ def test_postgresql_restarted_under_consumers_hands_out_no_group_twice_and_loses
 
 def test_two_runners_register_into_one_coordinator_at_once(url, tmp_path):
     """On a new database: both runners also create the schema at the same moment."""
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     go = tmp_path / "go"
     runners = [spawn(run_runner, url, node, 6, 4, go, str(tmp_path / node)) for node in ("node-a", "node-b")]
@@ -482,7 +482,7 @@ def test_two_runners_register_into_one_coordinator_at_once(url, tmp_path):
 
 
 def test_a_node_that_stops_heartbeating_has_its_groups_reported_not_handed_out(url):
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     fleet = Coordinator(url, node_timeout_s=3.0)
     beats = {node: spawn(heartbeat, url, node, 0.2) for node in ("node-a", "node-b")}

@@ -180,7 +180,7 @@ def test_a_proxy_killed_mid_stream_keeps_its_finished_calls_and_the_group_waits(
     import openai
 
     from stepmill.tags import tag_path
-    from stepmill.trainer_bridge.remote import RemoteConsumer
+    from stepmill.fleet.remote_consumer import RemoteConsumer
 
     node = start_node(tmp_path, "node-k", url, upstream=upstream)
     try:
@@ -212,7 +212,7 @@ def test_a_proxy_killed_mid_stream_keeps_its_finished_calls_and_the_group_waits(
         streaming.join(30)
         upstream.release(f"gated-stream-{marker}")
 
-        trainer = RemoteConsumer(url, "trainer", tokens={"node-k": node.proxy.token}, lease_s=5)
+        trainer = RemoteConsumer(url, "trainer", tokens={"node-k": node.proxy.token}, lease_seconds=5)
         time.sleep(1.0)  # a few heartbeats of the node: nothing to publish, the run is not complete
         assert fleet.counts()["waiting"] == 1 and trainer.claim() is None  # not handed out incomplete
 
@@ -266,8 +266,8 @@ def test_postgresql_restarted_during_claims_hands_out_no_group_twice_and_loses_n
 
 @pytest.mark.timeout(120)
 def test_a_node_that_never_comes_back_has_its_groups_reported(fleet, url, upstream, tmp_path, marker):
-    from stepmill.store.coordinator import Coordinator
-    from stepmill.trainer_bridge.remote import RemoteConsumer
+    from stepmill.store.fleet_ledger import Coordinator
+    from stepmill.fleet.remote_consumer import RemoteConsumer
 
     fleet.set_node_timeout(1.5)  # for every process that opens the coordinator from now
     nodes = [start_node(tmp_path, f"node-{x}", url, upstream=upstream) for x in "lm"]

@@ -17,7 +17,7 @@ from .test_fleet import start_node, stop_node, white_box_group
 
 @pytest.mark.timeout(180)
 def test_the_ui_browses_several_nodes_and_shows_the_fleet(postgres, upstream, tmp_path, marker):
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     secret = f"pw-{marker}"
     plain = postgres.new_database()

@@ -18,7 +18,7 @@ import pytest
 
 from stepmill.errors import PluginError
 from stepmill.protocols import registry
-from stepmill.protocols.http_json import send_json
+from stepmill.http_answers import send_json
 
 from .conftest import STEPMILL, launch_proxy, stop_proxy
 

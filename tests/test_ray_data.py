@@ -59,7 +59,7 @@ def exported(path: str, flavour: str, tmp_path) -> list[str]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flavour", ["tokens", "messages"])
 def test_the_dataset_is_the_sum_of_the_nodes_exports(node_files, flavour, tmp_path):
-    from stepmill.trainer_bridge.ray_data import NodeFile, read_steps
+    from stepmill.fleet.ray_dataset import NodeFile, read_steps
 
     dataset = read_steps([NodeFile(path, node_id) for path, node_id in node_files], flavour=flavour, rows_per_task=3)
     rows = dataset.take_all()
@@ -84,7 +84,7 @@ def test_shards_cover_a_file_exactly(node_files):
 
 def test_a_task_reads_only_on_its_node(node_files):
     """The scheduling that pins a file's tasks puts them on that node, on every node of the cluster."""
-    from stepmill.trainer_bridge.ray_data import _pinned
+    from stepmill.fleet.ray_dataset import _pinned
 
     @ray.remote(num_cpus=0.25)
     def where_am_i():

@@ -132,10 +132,10 @@ def _answers(url: str) -> bool:
 @pytest.mark.timeout(400)
 def test_runs_on_every_node_each_in_one_file_ready_in_the_coordinator(ray_cluster, url, simulated_llm, marker,
                                                                       tmp_path):
-    from stepmill.store.coordinator import Coordinator
-    from stepmill.trainer_bridge.ray_data import NodeFile, read_steps
+    from stepmill.store.fleet_ledger import Coordinator
+    from stepmill.fleet.ray_dataset import NodeFile, read_steps
 
-    from stepmill.runner.ray_executor import node_names
+    from stepmill.fleet.ray_rollout import node_names
 
     config = _config(tmp_path, simulated_llm.url, marker, url, ray_cluster)
     done = _rollout(config)
@@ -217,7 +217,7 @@ def test_runs_on_every_node_each_in_one_file_ready_in_the_coordinator(ray_cluste
 @pytest.mark.timeout(400)
 def test_ctrl_c_stops_every_node_and_resume_runs_what_is_missing(ray_cluster, url, simulated_llm, marker,
                                                                tmp_path):
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     # Tasks 3 and 4 are slow: the first two groups finish, the last two are running when Ctrl-C comes.
     prompts = ["quick", "quick", "SLOW", "SLOW"]
@@ -283,7 +283,7 @@ def test_ray_configuration_errors_name_the_key_and_line(tmp_path, run, proxy, me
 
 def test_groups_stay_whole_and_go_back_where_they_were():
     from stepmill.runner.agent_run import Job
-    from stepmill.runner.ray_executor import node_names, place
+    from stepmill.fleet.ray_rollout import node_names, place
 
     jobs = [Job(None, {}, f"g{g}-{i}", f"g{g}") for g in range(5) for i in range(3)]
     placed = place(jobs, ["a", "b"], {"a": {}, "b": {}})

@@ -181,14 +181,14 @@ def batches(db, layout, out_dir, where, params, group_ids, batch_size, max_promp
 def serve(db, port, host, confdir, node_id, coordinator, advertise, heartbeat_s):
     """Serve the consumption stream over HTTP (claim / acknowledge, a group's batch, batches as safetensors)."""
     from stepmill.auth.write_token import ensure_token
-    from stepmill.trainer_bridge.serve import make_server
+    from stepmill.fleet.node_server import make_server
 
     open_writer(db).close()
     server = make_server(db, host, port, ensure_token(confdir))
     agent = None
     if node_id:
-        from stepmill.store.coordinator import Coordinator
-        from stepmill.trainer_bridge.fleet_node import NodeAgent
+        from stepmill.store.fleet_ledger import Coordinator
+        from stepmill.fleet.node_agent import NodeAgent
 
         fleet = Coordinator(coordinator)
         url = advertise or f"http://{host}:{server.server_address[1]}"

@@ -15,7 +15,7 @@ from stepmill.cli.options import coordinator_option, json_option
 @json_option
 def fleet(coordinator, new_version, as_json):
     """Nodes, groups by state, and the groups a silent node holds (they are not handed out)."""
-    from stepmill.store.coordinator import Coordinator
+    from stepmill.store.fleet_ledger import Coordinator
 
     with Coordinator(coordinator) as board:
         if new_version is not None:

@@ -20,11 +20,19 @@ from stepmill.errors import ConfigError, Conflict
 def rollout(config_path, db, no_progress):
     """Run every task of the configured dataset n times through the proxy, then score the rewards."""
     from stepmill.runner.config import load
-    from stepmill.runner.rollout import rollout as run_rollout
 
     config = load(config_path)
     stop_on_signals()  # the runs stop cleanly
-    report = run_rollout(config, db=db, progress=not no_progress)
+    if config.run.executor == "ray":  # the fleet runs the runner's runs, on the cluster's nodes
+        if db:
+            raise ConfigError("--db: with executor = ray each node keeps its own file in run.node_dir")
+        from stepmill.fleet.ray_rollout import rollout_on_ray
+
+        report = rollout_on_ray(config, progress=not no_progress)
+    else:
+        from stepmill.runner.rollout import rollout as run_rollout
+
+        report = run_rollout(config, db=db, progress=not no_progress)
     click.echo(f"{report.done} runs finished ({report.failed} failed, {report.timed_out} timed out), "
                f"{report.skipped} done earlier, of {report.total}", err=True)
     if report.left_open:

@@ -15,54 +15,21 @@ both are read. The model is named in the path, not the body (``model_from_path``
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Iterator
 
+from stepmill.protocols import gemini_via_chat
 from stepmill.protocols.base import (AssistantBuilder, Completion, ParsedRequest, ProtocolError, canonical_content,
                                      load_json_object, tool_call, usage_of)
 from stepmill.protocols.contract import Protocol
+from stepmill.protocols.gemini_wire import PATH, _get, _parts, model_from_path, streamed_path, tools_of
 from stepmill.protocols.sse import events_of
 
 API = "gemini.generate"
-# …/models/{model}:generateContent, under any version prefix (v1, v1beta, v1alpha) or gateway path
-# (an engine's model is often an HF repo id: models/Qwen/Qwen3-8B:generateContent, or with %2F)
-PATH = re.compile(r"/models/(.+?):(generateContent|streamGenerateContent)$")
-
-
-def model_from_path(path: str) -> str | None:
-    from urllib.parse import unquote
-
-    found = PATH.search(path.split("?", 1)[0])
-    return unquote(found.group(1)) if found else None
-
-
-def streamed_path(path: str) -> bool:
-    found = PATH.search(path.split("?", 1)[0])
-    return bool(found) and found.group(2) == "streamGenerateContent"
-
-
-def _get(value: dict, camel: str) -> Any:
-    """A field in either JSON spelling: ``functionCall`` or ``function_call``."""
-    if camel in value:
-        return value[camel]
-    return value.get(re.sub(r"(?<!^)([A-Z])", lambda m: "_" + m.group(1).lower(), camel))
 
 
 def _usage(raw):
     return usage_of(raw, input_key="promptTokenCount", output_key="candidatesTokenCount",
                     cache_read=("cachedContentTokenCount",))
-
-
-def _parts(content: Any, where: str) -> list[dict]:
-    if isinstance(content, dict):
-        parts = content.get("parts")
-    else:
-        raise ProtocolError(f"{where} is not an object with 'parts'")
-    if parts is None:
-        return []
-    if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
-        raise ProtocolError(f"{where}'s 'parts' is not a list of objects")
-    return parts
 
 
 def _text(parts: list[dict]) -> str:
@@ -111,24 +78,6 @@ def canonical_messages(system: Any, contents: list) -> list[dict]:
         if rest:
             out.append({"role": "user", "content": canonical_content(rest)})
     return out
-
-
-def tools_of(body: dict) -> list | None:
-    """Function declarations as chat tools (name, description, JSON-schema parameters)."""
-    tools = body.get("tools")
-    if not isinstance(tools, list):
-        return None
-    out = []
-    for tool in tools:
-        for declaration in (_get(tool, "functionDeclarations") or []) if isinstance(tool, dict) else []:
-            if not isinstance(declaration, dict):
-                continue
-            parameters = _get(declaration, "parametersJsonSchema") or declaration.get("parameters") or \
-                {"type": "object", "properties": {}}
-            out.append({"type": "function", "function": {"name": declaration.get("name"),
-                                                         "description": declaration.get("description") or "",
-                                                         "parameters": parameters}})
-    return out or None
 
 
 def parse_request(body: dict, api: str = API) -> ParsedRequest:
@@ -312,8 +261,6 @@ class StreamAssembler:
             notes=list(self.notes),
         )
 
-
-from stepmill.protocols import gemini_via_chat  # noqa: E402 (it reads this module's names: imported once they are)
 
 PROTOCOL = Protocol(api=API, path=PATH, parse_request=parse_request, parse_response=parse_response,
                     StreamAssembler=StreamAssembler, load_response=load_response, from_path=from_path,

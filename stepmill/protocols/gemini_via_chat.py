@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from stepmill.protocols.contract import Translated
-from stepmill.protocols.gemini_generate import PATH, _get, _parts, model_from_path, streamed_path, tools_of
+from stepmill.protocols.gemini_wire import PATH, _get, _parts, model_from_path, streamed_path, tools_of
 from stepmill.protocols.openai_chat import reasoning_of
 from stepmill.protocols.via_chat import ChatStreamTranslator, error_message, not_carried, tool_arguments
 

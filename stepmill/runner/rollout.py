@@ -7,7 +7,7 @@ progress, completes each trajectory with its exit status and duration, and score
 the configuration. Ctrl-C stops runs cleanly (what they sent is kept; their trajectories stay
 open); running again skips the runs that finished.
 
-``[run] executor = "ray"`` runs the same runs on the nodes of a Ray cluster instead (``ray_executor.py``).
+``[run] executor = "ray"`` runs the same runs on the nodes of a Ray cluster instead (``stepmill.fleet.ray_rollout``).
 One run is the same code either way (``agent_run.py``).
 """
 
@@ -17,40 +17,15 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 from stepmill.errors import ConfigError
 from stepmill.runner import isolation as iso
 from stepmill.runner.agent_run import RunSite, new_runs_root, plan, register, run_one, white_box_tokenizer
 from stepmill.runner.config import Config
+from stepmill.runner.progress import Report, print_progress
 from stepmill.runner.proxy_env import ensure_bundle
 from stepmill.runner.proxy_handle import ProxyHandle
-
-
-@dataclass
-class Report:
-    total: int = 0
-    skipped: int = 0
-    done: int = 0
-    failed: int = 0
-    timed_out: int = 0
-    running: int = 0
-    left_open: int = 0  # finished, but not every call of theirs could be committed (a full disk): they run again
-    unscored: str = ""  # why scoring could not run (a full disk): the same command scores once there is space
-    interrupted: bool = False
-    isolation: str = ""  # the mode runs used
-    trajectories: list = field(default_factory=list)
-    shown_at: float = 0.0  # when progress was last written to a log
-    nodes: dict = field(default_factory=dict)  # a Ray rollout: node name -> its file, proxy and serve URLs
-
-    def count(self, outcome) -> None:
-        self.done += 1
-        self.failed += outcome.outcome == "failed"
-        self.timed_out += outcome.outcome == "timeout"
-        self.left_open += not outcome.committed
-        self.trajectories.append(outcome.trajectory)
-
 
 STOP_GRACE = 30.0  # seconds an interrupted rollout waits for its runs to stop before it names those that did not
 
@@ -112,16 +87,21 @@ class Workers:
                       f"left behind, where it was:\n{stack}", file=sys.stderr, flush=True)
 
 
-def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> Report:
-    mode = iso.resolve(config.isolation)  # before anything starts: an isolation we cannot have is an error
+def checked_isolation(config: Config) -> str:
+    """The isolation the rollout's runs get, checked before anything starts (one we cannot have is an error)."""
+    mode = iso.resolve(config.isolation)
     if mode == "user":
         iso.check_user_mode(config.datasets[config.run.dataset])
-    if config.run.executor == "ray":
-        if db:
-            raise ConfigError("--db: with executor = ray each node keeps its own file in run.node_dir")
-        from stepmill.runner.ray_executor import rollout_on_ray
+    return mode
 
-        return rollout_on_ray(config, progress=progress, mode=mode)
+
+def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> Report:
+    """The rollout on this machine. ``executor = "ray"`` is the fleet's (``stepmill.fleet.ray_rollout``):
+    the command chooses."""
+    if config.run.executor == "ray":
+        raise ConfigError('executor = "ray" runs on a Ray cluster: `stepmill rollout`, or '
+                          'stepmill.fleet.ray_rollout.rollout_on_ray')
+    mode = checked_isolation(config)
     proxy = ProxyHandle(config, db)
     try:
         return rollout_through(config, proxy, progress=progress, mode=mode)
@@ -188,22 +168,6 @@ def rollout_through(config: Config, proxy: ProxyHandle, *, progress: bool = True
             report.unscored = _score(config, proxy.db, run.dataset)
         store.close()  # a training loop rolls out round after round through one proxy
     return report
-
-
-def print_progress(report: Report, totals: Callable[[], dict], end: str | None = None) -> None:
-    """One line, redrawn in place on a terminal; a line every few seconds in a log. ``totals``: the
-    rollout's steps and output tokens so far (``Store.rollout_totals``; on Ray, summed over the nodes)."""
-    if end is None:
-        if not sys.stderr.isatty():
-            now = time.monotonic()
-            if now - report.shown_at < 5:
-                return
-            report.shown_at = now
-        end = "\r" if sys.stderr.isatty() else "\n"
-    steps = totals()
-    print(f"runs {report.done + report.skipped}/{report.total} done ({report.skipped} earlier), {report.running} "
-          f"running, {report.failed} failed, {report.timed_out} timed out; {steps['steps']} steps, "
-          f"{steps['output_tokens']} output tokens   ", end=end, file=sys.stderr, flush=True)
 
 
 def _score(config: Config, db: str, dataset: str) -> str:

@@ -99,12 +99,12 @@ class Loop:
             return Consumer(self.store, name, n=self.config.run.n, channel=self.channel, max_staleness=staleness,
                             scored=True)
         if kind.startswith(("http://", "https://")):
-            from stepmill.trainer_bridge.serve import NodeConsumer
+            from stepmill.fleet.node_consumer import NodeConsumer
 
             return NodeConsumer(kind, name, n=self.config.run.n, channel=self.channel, max_staleness=staleness,
                                 scored=True)
         if kind.startswith(("postgres://", "postgresql://")):
-            from stepmill.trainer_bridge.remote import RemoteConsumer
+            from stepmill.fleet.remote_consumer import RemoteConsumer
 
             # the coordinator hands out a node's groups once they are complete and scored
             return RemoteConsumer(kind, name, channel=self.channel, max_staleness=staleness)

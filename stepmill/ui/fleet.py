@@ -8,7 +8,7 @@ import os
 from dataclasses import asdict
 
 from stepmill.errors import BadInput, ConfigError, StoreUnavailable
-from stepmill.store.coordinator import ENV, Coordinator, redacted
+from stepmill.store.fleet_ledger import ENV, Coordinator, redacted
 
 
 def fleet() -> dict | None:

@@ -1,7 +1,7 @@
 """A node of a Ray rollout, on the Ray node it is pinned to: its proxy and database, its `stepmill serve`,
 its heartbeats to the fleet's coordinator, and the Ray task that makes one run there.
 
-``Node`` is the body of a Ray actor (``ray_executor.py`` wraps it): it starts the node's `stepmill
+``Node`` is the body of a Ray actor (``ray_rollout.py`` wraps it): it starts the node's `stepmill
 proxy` on a SQLite file in ``node_dir`` — a folder on the node's local disk: SQLite's WAL needs a
 local filesystem (NFS and other network filesystems break its shared-memory locking) — and `stepmill
 serve` on the same file for trainers, registers and scores the runs placed on it, and stops both when
@@ -73,7 +73,7 @@ class Node:
             self._stopped = threading.Event()
             self._fleet = None
             if coordinator:
-                from stepmill.store.coordinator import Coordinator
+                from stepmill.store.fleet_ledger import Coordinator
 
                 self._fleet = Coordinator(coordinator)
                 self._fleet.register_node(name, self.serve_url)

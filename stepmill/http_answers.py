@@ -1,9 +1,9 @@
 """Answers from an ``http.server`` handler: a status, its length and a body (JSON, most often).
 
-Shared by the small HTTP servers stepmill runs besides the proxy (the consumption stream of
-`stepmill serve`, the simulated LLM), which answer in plain ``http.server``. It is not a wire
-format of an LLM API, but its two users live in rooms that may not import each other (the bridge,
-the simulated LLM), so it stands in the foundation, the one room both may import.
+Shared by the small HTTP servers stepmill runs besides the proxy (a node's `stepmill serve` in the
+fleet, the simulated LLM), which answer in plain ``http.server``; the control API is answered by the
+proxy itself, through mitmproxy's flows. Its users live in rooms that may not import each other (the
+fleet, the simulated LLM), so it stands in the foundation, the one room every room may import.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ The same interface as ``trainer_bridge.consume.Consumer`` (``claim() → Batch |
   from each node that holds some of its runs (``stepmill serve`` there, with the write token); a
   group spread over several nodes is fetched from each and joined (``concat_step_batches``); a
   consumer is never handed a group it holds;
-- while a batch is held, a thread renews its lease every third of ``lease_s``; a consumer that dies
+- while a batch is held, a thread renews its lease every third of ``lease_seconds``; a consumer that dies
   stops renewing, and its groups go back to the others when the lease runs out;
 - ``ack_many`` acknowledges its groups through the coordinator in one transaction, all or none
   (``Conflict`` naming each group whose lease ran out and went to another consumer, as with ``Consumer``);
@@ -41,11 +41,10 @@ from typing import Iterator
 from urllib.parse import quote, urlencode
 
 from stepmill.errors import BadInput, ConfigError, Conflict, NotFound, StoreUnavailable
-from stepmill.store.coordinator import Claim, Coordinator
-
+from stepmill.fleet.batch_wire import LAYOUT_FIELDS, batch_from_bytes
+from stepmill.store.fleet_ledger import GroupLease, Coordinator
 from stepmill.trainer_bridge.consume import acknowledging, stepping
 from stepmill.trainer_bridge.layouts import Batch, concat_step_batches
-from stepmill.trainer_bridge.serve import LAYOUT_FIELDS, batch_from_bytes
 
 
 log = logging.getLogger("stepmill")
@@ -59,7 +58,7 @@ class RemoteConsumer:
     ``overlong``, ``pad_id``) are those of ``step_batches``; each group is one batch."""
 
     def __init__(self, coordinator: Coordinator | str | None, name: str, *, channel: str | None = "train",
-                 lease_s: float = 600.0, retry_after_s: float = 30.0, max_staleness: int | None = None,
+                 lease_seconds: float = 600.0, retry_after_s: float = 30.0, max_staleness: int | None = None,
                  token: str | None = None, tokens: dict[str, str] | None = None, confdir: str | None = None,
                  timeout: float = 120.0, **layout):
         unknown = set(layout) - set(LAYOUT_FIELDS)
@@ -67,7 +66,7 @@ class RemoteConsumer:
             raise BadInput(f"unknown layout option {sorted(unknown)[0]!r} (one batch per group; "
                            f"options: {', '.join(LAYOUT_FIELDS)})")
         self.fleet = coordinator if isinstance(coordinator, Coordinator) else Coordinator(coordinator)
-        self.name, self.channel, self.lease_s, self.retry_after_s = name, channel, lease_s, retry_after_s
+        self.name, self.channel, self.lease_seconds, self.retry_after_s = name, channel, lease_seconds, retry_after_s
         self.timeout, self.layout, self.max_staleness = timeout, layout, max_staleness
         if token is None and not tokens:
             from stepmill.auth.write_token import read_token
@@ -77,7 +76,7 @@ class RemoteConsumer:
         self.report: Counter = Counter()
         self.failures: list[str] = []  # why nodes could not serve groups, oldest first
         self._acked: set = set()
-        self._held: dict[str, Claim] = {}  # group id -> its claim, renewed while held
+        self._held: dict[str, GroupLease] = {}  # group id -> its claim, renewed while held
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
@@ -163,8 +162,8 @@ class RemoteConsumer:
         return self.fleet.release_many(claims) if claims else []
 
     def renew(self, batches: list[Batch] | None = None) -> list[str]:
-        """Extend the leases now (None: of every group held) to ``lease_s``; returns the groups no longer
-        held. The background thread does the same every third of ``lease_s``."""
+        """Extend the leases now (None: of every group held) to ``lease_seconds``; returns the groups no longer
+        held. The background thread does the same every third of ``lease_seconds``."""
         wanted = None if batches is None else {batch.meta["group_id"] for batch in batches}
         with self._lock:
             held = [c for c in self._held.values() if wanted is None or c.group_id in wanted]
@@ -205,22 +204,22 @@ class RemoteConsumer:
 
     # --- claims and leases ---------------------------------------------------------------------------------
 
-    def _next_claims(self, k: int) -> list[Claim]:
+    def _next_claims(self, k: int) -> list[GroupLease]:
         if not self._resumed:  # a restart under the same name: its own unacknowledged groups first
             self._resumed = True
             self._waiting = [c for c in self.fleet.held(self.name) if c.group_id not in self._held]
         resumed = []
         while self._waiting and len(resumed) < k:
             try:
-                resumed.append(self.fleet.renew(self._waiting.pop(0), self.lease_s))
+                resumed.append(self.fleet.renew(self._waiting.pop(0), self.lease_seconds))
             except (Conflict, NotFound):
                 continue  # taken over by another consumer meanwhile
         if resumed:
             return resumed
-        return self.fleet.claim(self.name, n=k, lease_s=self.lease_s, channel=self.channel,
+        return self.fleet.claim(self.name, n=k, lease_seconds=self.lease_seconds, channel=self.channel,
                                 max_staleness=self.max_staleness)
 
-    def _put_back(self, claim: Claim, exc: Exception) -> None:
+    def _put_back(self, claim: GroupLease, exc: Exception) -> None:
         """A group its node cannot serve now: its lease cut short, so it comes back after ``retry_after_s``."""
         self.report["groups put back: a node could not serve them"] += 1
         self.failures.append(str(exc))
@@ -236,17 +235,17 @@ class RemoteConsumer:
             self._renewer.start()
 
     def _renew_held(self) -> None:
-        while not self._stop.wait(self.lease_s / 3):
+        while not self._stop.wait(self.lease_seconds / 3):
             with self._lock:
                 held = list(self._held.values())
             self._renew(held)
 
-    def _renew(self, held: list[Claim]) -> list[str]:
+    def _renew(self, held: list[GroupLease]) -> list[str]:
         """Each claim's lease extended; the groups whose leases were lost (the ack will say so too)."""
         lost = []
         for claim in held:
             try:
-                renewed = self.fleet.renew(claim, self.lease_s)
+                renewed = self.fleet.renew(claim, self.lease_seconds)
             except (Conflict, NotFound):  # ran out and taken by another
                 self.report["leases lost while held"] += 1
                 lost.append(claim.group_id)
@@ -263,7 +262,7 @@ class RemoteConsumer:
 
     # --- fetching from the nodes ---------------------------------------------------------------------------
 
-    def _fetch(self, claim: Claim) -> Batch:
+    def _fetch(self, claim: GroupLease) -> Batch:
         by_node: dict[str, list[str]] = {}
         for run, node in sorted(claim.runs.items()):
             by_node.setdefault(node, []).append(run)
@@ -274,7 +273,7 @@ class RemoteConsumer:
         batch.meta["coordinator_policy_version"] = claim.policy_version
         return batch
 
-    def _fetch_part(self, claim: Claim, node: str, runs: list[str]) -> Batch:
+    def _fetch_part(self, claim: GroupLease, node: str, runs: list[str]) -> Batch:
         query = urlencode([("run", run) for run in runs] + sorted(self.layout.items()))
         url = f"{claim.nodes[node].rstrip('/')}/v1/groups/{quote(claim.group_id, safe='')}/batch?{query}"
         token = self._tokens.get(node, self._token)

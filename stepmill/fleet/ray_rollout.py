@@ -1,6 +1,6 @@
 """`[run] executor = "ray"`: a rollout's runs on the nodes of a Ray cluster, driven from the runner.
 
-Topology. One ``Node`` actor (``node.py``) per alive Ray node with CPUs, pinned to it
+Topology. One ``Node`` actor (``ray_node.py``) per alive Ray node with CPUs, pinned to it
 (``NodeAffinitySchedulingStrategy``, ``soft=False``): the node's `stepmill proxy` on its own SQLite
 file in ``run.node_dir`` on the node's local disk, and its `stepmill serve`. Each run is a Ray task
 pinned to its node, running exactly as a local run does (same isolation, same environment, the node's
@@ -39,10 +39,11 @@ import threading
 import time
 
 from stepmill.errors import ConfigError
+from stepmill.fleet.ray_node import Node, Where, run_on_node
 from stepmill.runner.agent_run import Job, plan
 from stepmill.runner.config import Config
-from stepmill.runner.node import Node, Where, run_on_node
-from stepmill.runner.rollout import Report, print_progress
+from stepmill.runner.progress import Report, print_progress
+from stepmill.runner.rollout import checked_isolation
 
 CANCEL_GRACE_S = 15.0  # a cancelled run's task stops its agent (SIGTERM, then SIGKILL after 3 s)
 STOP_NODE_S = 60.0
@@ -70,9 +71,11 @@ def place(jobs: list[Job], names: list[str], found: dict[str, dict[str, str]]) -
     return placed
 
 
-def rollout_on_ray(config: Config, *, progress: bool, mode: str) -> Report:
+def rollout_on_ray(config: Config, *, progress: bool = True) -> Report:
+    """The rollout's runs on the Ray cluster's nodes (`stepmill rollout` with ``executor = "ray"``)."""
     import ray
 
+    mode = checked_isolation(config)
     run = config.run
     started_ray = not ray.is_initialized()
     if started_ray:
@@ -86,7 +89,7 @@ def rollout_on_ray(config: Config, *, progress: bool, mode: str) -> Report:
     actors: dict[str, object] = {}
     try:
         if coordinator_url:
-            from stepmill.store.coordinator import Coordinator
+            from stepmill.store.fleet_ledger import Coordinator
 
             fleet = Coordinator(coordinator_url)
         return _drive(config, mode, progress, fleet, coordinator_url, actors)

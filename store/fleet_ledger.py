@@ -1,4 +1,7 @@
-"""The fleet's coordinator: a registry, group readiness, claims with leases and the policy version, in PostgreSQL.
+"""The fleet's ledger, its coordinator: a registry, group readiness, leases and the policy version, in PostgreSQL.
+
+The fleet's modules (``stepmill.fleet``: nodes, the remote consumer, Ray rollouts) use it through
+``Coordinator``; its tables and queries are here, in the store, as every SQL of stepmill is.
 
 Which side holds what. Step records (messages, tokens, rewards, reviews) stay in each node's
 SQLite file, written by that node's proxy exactly as on one machine; a node serves them with
@@ -15,7 +18,8 @@ SQLite file, written by that node's proxy exactly as on one machine; a node serv
   is older than the current by more than ``max_staleness`` is set aside as ``stale``, never handed
   out (the rule one machine's consumer applies to its file: both versions integers, else never stale).
 
-A claim names the nodes that hold its runs; the consumer fetches the steps from them.
+A claim answers ``GroupLease``s (a lease on a group held by a consumer); each names the nodes that hold
+its runs, and the consumer fetches the steps from them.
 
 What is durable when. Every method is one PostgreSQL transaction and is durable when it returns
 (the server's commit). Times (heartbeats, leases) are the server's clock, ``now()``, so the
@@ -37,7 +41,7 @@ When the node heartbeats again they are handed out as before.
     fleet.register_group("g1", size=8)
     fleet.register_run("t1", group_id="g1", node_id="node-a")
     fleet.report("t1", finished=True, committed=True, scored=True)
-    claims = fleet.claim("trainer-0", n=4, lease_s=600)
+    claims = fleet.claim("trainer-0", n=4, lease_seconds=600)
     ...  # fetch each claim's runs from claim.nodes, train on them
     fleet.ack_many(claims)
 """
@@ -106,7 +110,7 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
 
 
 @dataclass
-class Claim:
+class GroupLease:
     """A group leased to one consumer until ``lease_until`` (seconds since the epoch, the server's clock)."""
 
     group_id: str
@@ -513,17 +517,17 @@ class Coordinator:
 
     # --- claims -----------------------------------------------------------------------------------------
 
-    def claim(self, consumer: str, n: int = 1, lease_s: float = 600.0, channel: str | None = "train",
-              max_staleness: int | None = None) -> list[Claim]:
+    def claim(self, consumer: str, n: int = 1, lease_seconds: float = 600.0, channel: str | None = "train",
+              max_staleness: int | None = None) -> list[GroupLease]:
         """Up to ``n`` ready groups of the channel (None: any channel), oldest ready first, each leased to
-        this consumer for ``lease_s`` seconds. Stale groups met on the way are set aside (stale: more
+        this consumer for ``lease_seconds`` seconds. Stale groups met on the way are set aside (stale: more
         versions behind than the fleet's ``max_staleness``, or this claim's when that is lower)."""
         _id(consumer, "a consumer name")
         if channel is not None:
             _id(channel, "a channel")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise BadInput(f"n must be a positive integer, got {n!r:.40}")
-        lease_s = _seconds(lease_s, "lease_s")
+        lease_seconds = _seconds(lease_seconds, "lease_seconds")
         if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
                                           or max_staleness < 0):
             raise BadInput(f"max_staleness must be a non-negative integer or None, got {max_staleness!r:.40}")
@@ -556,7 +560,7 @@ class Coordinator:
                     lease = cur.execute(
                         "INSERT INTO stepmill.leases (group_id, consumer, lease_until, policy_version, staleness)"
                         " VALUES (%s, %s, now() + %s * interval '1 second', %s, %s) RETURNING id, lease_until",
-                        [row["id"], consumer, lease_s, settings.get("policy_version"), staleness]).fetchone()
+                        [row["id"], consumer, lease_seconds, settings.get("policy_version"), staleness]).fetchone()
                     cur.execute("UPDATE stepmill.groups SET state = 'leased', lease_id = %s, consumer = %s,"
                                 " lease_until = %s WHERE id = %s",
                                 [lease["id"], consumer, lease["lease_until"], row["id"]])
@@ -564,14 +568,14 @@ class Coordinator:
             return self._claims(cur, "g.id = ANY(%s)", [leased])
         return self._run(work)
 
-    def held(self, consumer: str) -> list[Claim]:
+    def held(self, consumer: str) -> list[GroupLease]:
         """The groups leased to this consumer and not acknowledged (a consumer restarting under its name
         takes them up again; one whose lease ran out is still its own until another consumer claims it)."""
         _id(consumer, "a consumer name")
         return self._run(lambda cur: self._claims(cur, "g.state = 'leased' AND g.consumer = %s", [consumer]))
 
     @staticmethod
-    def _claims(cur, where: str, params: list) -> list[Claim]:
+    def _claims(cur, where: str, params: list) -> list[GroupLease]:
         groups = cur.execute(f"SELECT {CLAIM_FIELDS} FROM stepmill.groups g WHERE {where} ORDER BY g.ready_at, g.id",
                              params).fetchall()
         if not groups:
@@ -583,14 +587,14 @@ class Coordinator:
         for g in groups:
             mine = [r for r in runs if r["group_id"] == g["group_id"]]
             version = g.pop("oldest_version")
-            claims.append(Claim(**g, policy_version=None if version is None else str(version),
+            claims.append(GroupLease(**g, policy_version=None if version is None else str(version),
                                 runs={r["id"]: r["node_id"] for r in mine},
                                 nodes={r["node_id"]: r["serve_url"] for r in mine}))
         return claims
 
-    def _held_group(self, cur, claim: Claim) -> dict:
-        if not isinstance(claim, Claim):
-            raise BadInput(f"expected a Claim, got {type(claim).__name__}")
+    def _held_group(self, cur, claim: GroupLease) -> dict:
+        if not isinstance(claim, GroupLease):
+            raise BadInput(f"expected a GroupLease, got {type(claim).__name__}")
         row = cur.execute("SELECT state, lease_id, consumer FROM stepmill.groups WHERE id = %s FOR UPDATE",
                           [claim.group_id]).fetchone()
         if row is None:
@@ -598,7 +602,7 @@ class Coordinator:
         return row
 
     @staticmethod
-    def _not_held(claim: Claim, row: dict) -> Conflict:
+    def _not_held(claim: GroupLease, row: dict) -> Conflict:
         if row["state"] == "leased":
             now = f"leased to {row['consumer']!r} now"
         elif row["state"] == "acked":
@@ -608,19 +612,19 @@ class Coordinator:
         return Conflict(f"group {claim.group_id!r} is no longer leased to {claim.consumer!r} (its lease ran out): "
                         f"it is {now}")
 
-    def ack(self, claim: Claim) -> None:
+    def ack(self, claim: GroupLease) -> None:
         """The group is consumed: it is never handed out again. Acknowledging again under the same claim does
         nothing; a claim whose lease ran out and whose group went to another consumer is refused (Conflict)."""
         self.ack_many([claim])
 
-    def ack_many(self, claims: list[Claim]) -> None:
+    def ack_many(self, claims: list[GroupLease]) -> None:
         """The groups are consumed, all in one transaction or none: a claim no longer held (its lease ran out
         and another consumer took the group, or it was given back) makes it a Conflict naming each such
         group (its ``groups``), and nothing is acknowledged. Claims acknowledged already do nothing more."""
         claims = list(claims)
         for claim in claims:
-            if not isinstance(claim, Claim):
-                raise BadInput(f"expected a Claim, got {type(claim).__name__}")
+            if not isinstance(claim, GroupLease):
+                raise BadInput(f"expected a GroupLease, got {type(claim).__name__}")
         if not claims:
             return
 
@@ -648,13 +652,13 @@ class Coordinator:
                             [[c.lease_id for c in acking]])
         self._run(work)
 
-    def release_many(self, claims: list[Claim]) -> list[str]:
+    def release_many(self, claims: list[GroupLease]) -> list[str]:
         """Give back those of the groups still held under these claims, in one transaction, to be handed out
         again at once; returns them (the others are left as they are)."""
         claims = list(claims)
         for claim in claims:
-            if not isinstance(claim, Claim):
-                raise BadInput(f"expected a Claim, got {type(claim).__name__}")
+            if not isinstance(claim, GroupLease):
+                raise BadInput(f"expected a GroupLease, got {type(claim).__name__}")
         if not claims:
             return []
 
@@ -672,7 +676,7 @@ class Coordinator:
             return [c.group_id for c in held]
         return self._run(work)
 
-    def release(self, claim: Claim) -> None:
+    def release(self, claim: GroupLease) -> None:
         """Give the group back unconsumed, to be handed out again at once. Releasing twice does nothing."""
 
         def work(cur):
@@ -689,16 +693,16 @@ class Coordinator:
                 raise self._not_held(claim, row)
         self._run(work)
 
-    def renew(self, claim: Claim, lease_s: float) -> Claim:
-        """The same claim with its lease extended to ``lease_s`` seconds from now (a consumer still working)."""
-        lease_s = _seconds(lease_s, "lease_s")
+    def renew(self, claim: GroupLease, lease_seconds: float) -> GroupLease:
+        """The same claim with its lease extended to ``lease_seconds`` seconds from now (a consumer still working)."""
+        lease_seconds = _seconds(lease_seconds, "lease_seconds")
 
         def work(cur):
             row = self._held_group(cur, claim)
             if row["state"] != "leased" or row["lease_id"] != claim.lease_id:
                 raise self._not_held(claim, row)
             until = cur.execute("UPDATE stepmill.groups SET lease_until = now() + %s * interval '1 second'"
-                                " WHERE id = %s RETURNING lease_until", [lease_s, claim.group_id]).fetchone()
+                                " WHERE id = %s RETURNING lease_until", [lease_seconds, claim.group_id]).fetchone()
             cur.execute("UPDATE stepmill.leases SET lease_until = %s WHERE id = %s",
                         [until["lease_until"], claim.lease_id])
             return self._claims(cur, "g.id = %s", [claim.group_id])[0]
