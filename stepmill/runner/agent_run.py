@@ -1,6 +1,6 @@
 """One run of an agent, on the machine whose proxy records it: registered with a secret, started
 isolated, stopped at its timeout, then completed with its outcome. The local runner calls it from its
-threads; a Ray rollout calls the same code from a run's task on the node (``node.py``)."""
+threads; a Ray rollout calls the same code from a run's task on the node (``stepmill/fleet/ray_node.py``)."""
 
 from __future__ import annotations
 

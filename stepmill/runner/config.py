@@ -47,7 +47,7 @@
     timeout = 120                             # seconds per run
     channel = "train"
     model = "qwen"
-    # executor = "ray"                        # run on a Ray cluster's nodes (ray_executor.py), with:
+    # executor = "ray"                        # run on a Ray cluster's nodes (stepmill/fleet/ray_rollout.py), with:
     # ray_address = "ray://head:10001"        # default: ray.init()'s choice (RAY_ADDRESS, a running one, or local)
     # runs_per_node = 8                       # default: concurrency
     # node_dir = "/var/lib/stepmill"          # each node's SQLite file, on its local disk (WAL needs one)
