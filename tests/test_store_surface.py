@@ -276,3 +276,20 @@ def test_a_policy_version_set_after_a_clock_step_back_still_comes_after(tmp_path
     monkeypatch.undo()
     assert store.policy_version_at(time.time()) == "2"
     assert store.policy_version_at(now - 7200) is None
+
+
+def test_a_batch_caches_what_it_wrote_only_once_it_commits(tmp_path):
+    store = Store(tmp_path / "c.db")
+
+    def cached_conversations() -> set:
+        return {key for key in store.transactions.cache if key[0] in ("messages", "wire")}
+
+    with pytest.raises(RuntimeError), store.batch():
+        lost = store.record_step(StepRecord(api="openai.chat", messages=USER, completion=ANSWER))
+        raise RuntimeError("the batch fails")
+    assert not cached_conversations() and store.trajectory_of_step(lost) is None
+    with store.batch():
+        kept = store.record_step(StepRecord(api="openai.chat", messages=USER, completion=ANSWER))
+        assert not cached_conversations()  # not before the commit
+    assert cached_conversations() == {("messages", kept), ("wire", kept)}
+    assert store.continuation(kept) == (USER + [ANSWER], [])
