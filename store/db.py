@@ -14,7 +14,7 @@ given, as constructor arguments, the connection and the other parts it uses:
 - ``runs`` (``runs.Runs``): the runner's registered runs, their secrets' hashes and doors
 - ``export`` (``export.Export``; blobs, history, token_ids): steps as exported records
 - ``rewards_and_reviews`` (``curation.Curation``): rewards, reviews and the gate
-- ``counts`` (``stats.Counts``; state): counts over the file and a rollout's runs
+- ``counts`` (``counts.Counts``; state): counts over the file and a rollout's runs
 - ``consumption`` (``consumption.Consumption``; state): trainers' claims and acks of groups
 - ``reviewers`` (``reviewers.Reviewers``): the UI's named reviewers and their sign-in tokens
 - ``training`` (``training.Training``): training runs' numbers per policy version
@@ -39,13 +39,13 @@ from stepmill.store.blobs import Blobs
 from stepmill.store.cache import LRU
 from stepmill.store.connection import Transactions, open_database
 from stepmill.store.consumption import Consumption
+from stepmill.store.counts import Counts
 from stepmill.store.curation import Curation
 from stepmill.store.export import Export
 from stepmill.store.history import History
 from stepmill.store.reviewers import Reviewers
 from stepmill.store.runs import Runs
 from stepmill.store.state import State
-from stepmill.store.stats import Counts
 from stepmill.store.steps import Steps
 from stepmill.store.token_ids import TokenIds
 from stepmill.store.trajectories import Trajectories
