@@ -56,6 +56,12 @@ class Counts:
             [len(id_prefix), id_prefix]).fetchone()
         return {"steps": row[0], "output_tokens": row[1]}
 
+    def mean_trajectory_reward(self, id_prefix: str) -> float | None:
+        """The mean effective reward of the complete trajectories whose ids start with ``id_prefix``."""
+        rows = self.tx.query("SELECT avg(reward) AS mean FROM trajectories WHERE substr(id, 1, ?) = ? "
+                             "AND status = 'complete' AND reward IS NOT NULL", [len(id_prefix), id_prefix])
+        return rows[0]["mean"] if rows else None
+
     def steps_by_agent(self) -> list[dict]:
         """Per agent (the runner's ``metadata.agent``): runs, steps, steps with exact ids, steps whose ids
         continue their parent's, input and output tokens."""

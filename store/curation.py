@@ -174,10 +174,10 @@ class Curation:
             "target_kind": kind, "target_id": target_id,
             "reward": effective_reward(conn, kind, target_id),
             "rewards": self.tx.query("SELECT * FROM rewards WHERE target_kind = ? AND target_id = ? ORDER BY id",
-                                  [kind, target_id]),
+                                     [kind, target_id]),
             "review": review_state(conn, kind, target_id),
             "reviews": self.tx.query("SELECT * FROM reviews WHERE target_kind = ? AND target_id = ? ORDER BY id",
-                                  [kind, target_id]),
+                                     [kind, target_id]),
         }
 
     def gate_counts(self, where: str | None = None, params: Any = ()) -> dict:

@@ -189,9 +189,9 @@ class Store:
     steps_by_agent = forward("counts", Counts.steps_by_agent)
     rewards_by_agent = forward("counts", Counts.rewards_by_agent)
     group_reward_ranges = forward("counts", Counts.group_reward_ranges)
+    mean_trajectory_reward = forward("counts", Counts.mean_trajectory_reward)
 
     # -- training -------------------------------------------------------------------------------
     record_train_metrics = forward("training", Training.record_train_metrics)
     train_metrics = forward("training", Training.train_metrics)
     train_runs = forward("training", Training.train_runs)
-    mean_trajectory_reward = forward("training", Training.mean_trajectory_reward)

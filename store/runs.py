@@ -46,7 +46,8 @@ class Runs:
     def latest_run(self, trajectory_id: str) -> dict | None:
         """The run's registration (or revocation) in force, read only; None when it was never registered."""
         rows = self.tx.query("SELECT rowid, trajectory_id, group_id, channel, secret_hash, revoked_at, door"
-                          " FROM run_credentials WHERE trajectory_id = ? ORDER BY rowid DESC LIMIT 1", [trajectory_id])
+                             " FROM run_credentials WHERE trajectory_id = ? ORDER BY rowid DESC LIMIT 1",
+                             [trajectory_id])
         return rows[0] if rows else None
 
     def revoke_run(self, trajectory_id: str) -> dict | None:
@@ -71,7 +72,7 @@ class Runs:
         """Registrations and revocations newer than ``after_rowid``, oldest first (a later one replaces
         an earlier)."""
         rows = self.tx.query("SELECT rowid, trajectory_id, group_id, channel, secret_hash, revoked_at, door, hosts"
-                          " FROM run_credentials WHERE rowid > ? ORDER BY rowid", [after_rowid])
+                             " FROM run_credentials WHERE rowid > ? ORDER BY rowid", [after_rowid])
         for row in rows:
             row["hosts"] = loads(row["hosts"]) or []
         return rows

@@ -154,7 +154,7 @@ class Steps:
             "token_provenance": "none",
         }
         row.update(self.token_ids.token_columns(parent_id, rec.prompt_ids, rec.response_ids, rec.logprobs,
-                                       rec.token_provenance or "exact", system_changed=bool(system_changed)))
+                                                 rec.token_provenance or "exact", system_changed=bool(system_changed)))
         cols = ",".join(row)
         conn.execute(f"INSERT INTO steps ({cols}) VALUES ({','.join('?' * len(row))})", list(row.values()))
         if float_column(rec.reward) is not None:

@@ -76,7 +76,7 @@ class TokenIds:
         if row is None:
             raise NotFound(step_id)
         cols = self.token_columns(row[0], prompt_ids, response_ids, logprobs, provenance, spliced_len=spliced_len,
-                                   system_changed=bool(row[1]))
+                                  system_changed=bool(row[1]))
         cols.update({"tokenizer": tokenizer, "fidelity": fidelity, "fidelity_detail": fidelity_detail})
         if in_transaction:
             self._update_tokens(step_id, cols)
@@ -117,7 +117,7 @@ class TokenIds:
             provenance, spliced, changed = conn.execute(
                 "SELECT token_provenance, spliced_len, system_changed FROM steps WHERE id = ?", [child]).fetchone()
             rebased = self.token_columns(step_id, prompt, response, logprobs, provenance, spliced_len=spliced,
-                                          system_changed=bool(changed))
+                                         system_changed=bool(changed))
             self._update_columns(child, rebased)
             self.tx.cache.pop(("tokens", child), None)
 

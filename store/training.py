@@ -12,7 +12,7 @@ from stepmill.store.ids import now_iso
 
 
 class Training:
-    """Record and read training runs' numbers, and the mean reward of a run's trajectories."""
+    """Record and read training runs' numbers."""
 
     def __init__(self, tx: Transactions):
         self.tx = tx
@@ -38,7 +38,7 @@ class Training:
             where, params = "WHERE run = ?", [run]
         table: dict[tuple, dict] = {}
         for row in self.tx.query(f"SELECT run, version, name, value FROM train_metrics {where} ORDER BY run, version",
-                              params):
+                                 params):
             table.setdefault((row["run"], row["version"]), {"run": row["run"], "version": row["version"]})[
                 row["name"]] = row["value"]
         return list(table.values())
@@ -46,9 +46,3 @@ class Training:
     def train_runs(self) -> list[str]:
         """The names of the training runs with numbers recorded."""
         return [row["run"] for row in self.tx.query("SELECT DISTINCT run FROM train_metrics ORDER BY run")]
-
-    def mean_trajectory_reward(self, id_prefix: str) -> float | None:
-        """The mean effective reward of the complete trajectories whose ids start with ``id_prefix``."""
-        rows = self.tx.query("SELECT avg(reward) AS mean FROM trajectories WHERE substr(id, 1, ?) = ? "
-                          "AND status = 'complete' AND reward IS NOT NULL", [len(id_prefix), id_prefix])
-        return rows[0]["mean"] if rows else None
