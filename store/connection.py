@@ -17,6 +17,7 @@ import sqlite_utils
 
 from stepmill.errors import BadInput, StoreUnavailable
 from stepmill.private_files import private_opener
+from stepmill.store.cache import LRU
 from stepmill.store.migrations import MIGRATIONS, migrate, pending
 from stepmill.store.sql_errors import file_errors
 
@@ -105,41 +106,59 @@ def write_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 
 
 class Transactions:
-    """Closing, write transactions, batches and WAL checkpoints; a part of ``Store``.
+    """The one connection every part of ``Store`` shares: closing, write transactions, batches and WAL
+    checkpoints.
 
-    ``Store.__init__`` opens ``self.db``; ``self._batch`` is the list of cache entries a batch
-    publishes once it commits (None outside a batch).
+    ``cache`` is the LRU of what the parts read through it (conversations, token ids, blobs).
+    Inside ``batch()``, ``pending`` holds the cache entries the batch's calls made, published only
+    once it commits (None outside a batch).
     """
 
+    def __init__(self, db: sqlite_utils.Database, *, path: str, readonly: bool, cache: LRU):
+        self.db = db
+        self.conn = db.conn
+        self.path = path
+        self.readonly = readonly
+        self.cache = cache
+        self.pending: list | None = None
+
     def close(self) -> None:
-        self.db.conn.close()
+        self.conn.close()
 
     @contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
         """One write transaction, taken up front so concurrent writers queue instead of failing."""
         if self.readonly:
             raise StoreUnavailable(f"{self.path} was opened read-only")
-        with write_transaction(self.db.conn) as conn:
+        with write_transaction(self.conn) as conn:
             yield conn
 
     @contextmanager
     def batch(self) -> Iterator[sqlite3.Connection]:
         """One write transaction around many ``record_steps`` (and ``set_state``) calls: the writer
         commits in batches. What the calls cached is kept only once the batch commits."""
-        self._batch = []
+        self.pending = []
         try:
             with self.write() as conn:
                 yield conn
-            for key, value in self._batch:
-                self._cache.put(key, value)
+            for key, value in self.pending:
+                self.cache.put(key, value)
         finally:
-            self._batch = None
+            self.pending = None
+
+    @property
+    def in_batch(self) -> bool:
+        return self.pending is not None
+
+    def cache_when_committed(self, entries: list) -> None:
+        """Cache entries of rows written in the current batch: a batch rolled back never caches them."""
+        self.pending.extend(entries)
 
     @contextmanager
     def savepoint(self, name: str) -> Iterator[sqlite3.Connection]:
         """A part of the current write transaction that a failure undoes alone; the file taking no
         writes raises ``StoreUnavailable`` here too, so that no caller mistakes it for a bad record."""
-        conn = self.db.conn
+        conn = self.conn
         with file_errors():
             conn.execute(f"SAVEPOINT {name}")
             try:
@@ -157,18 +176,18 @@ class Transactions:
 
     def data_version(self) -> int:
         """A number that changes whenever another connection commits to the file."""
-        return self.db.conn.execute("PRAGMA data_version").fetchone()[0]
+        return self.conn.execute("PRAGMA data_version").fetchone()[0]
 
     def manage_checkpoints(self) -> None:
         """Turn SQLite's automatic checkpoints off: the writer process checkpoints between its batches."""
-        self.db.conn.execute("PRAGMA wal_autocheckpoint = 0")
+        self.conn.execute("PRAGMA wal_autocheckpoint = 0")
 
     def checkpoint(self, mode: str) -> bool:
         """Fold the WAL into the file ("PASSIVE" or "TRUNCATE"); False when a reader holds the WAL."""
         if mode not in CHECKPOINT_MODES:
             raise BadInput(f"a checkpoint mode is one of {', '.join(CHECKPOINT_MODES)}, not {mode!r}")
         try:
-            busy = self.db.conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()[0]
+            busy = self.conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()[0]
         except sqlite3.OperationalError:
             return False
         return not busy

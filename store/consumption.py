@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from stepmill.errors import BadInput, Conflict, NotFound
+from stepmill.store.connection import Transactions
 from stepmill.store.ids import new_id, now_iso
+from stepmill.store.state import State
 
 # Ready groups of a channel, oldest first, without those acknowledged, set aside or under a lease
 # that still runs.
@@ -122,8 +124,12 @@ def _refusal(consumer: str, lost: list[tuple[str, bool]], total: int, what: str)
 
 
 class Consumption:
-    """Claims with leases and acks that take effect once; a part of ``Store`` (it uses the store's
-    ``write()`` transactions and ``policy_version()``)."""
+    """Claims with leases and acks that take effect once, each call one write transaction (a claim
+    reads ``state``'s policy version for the staleness it keeps)."""
+
+    def __init__(self, tx: Transactions, state: State):
+        self.tx = tx
+        self.state = state
 
     def claim_groups(self, consumer: str, k: int = 1, *, session: str | None = None, channel: str = "train",
                      n: int = 8, lease_seconds: float = 600, max_staleness: int | None = None,
@@ -137,14 +143,14 @@ class Consumption:
         now = time.time() if now is None else now
         session = session or new_id("session")
         stale = 0
-        with self.write() as conn:
+        with self.tx.write() as conn:
             taken = [row[0] for row in conn.execute(
                 "SELECT group_id FROM consumption WHERE consumer = ? AND status = 'leased' AND holder IS NOT ? "
                 "ORDER BY claimed_at, group_id LIMIT ?", [consumer, session, k])]
             for group in taken:  # staleness stays as it was at the first claim
                 conn.execute("UPDATE consumption SET holder = ?, lease_until = ? WHERE group_id = ?",
                              [session, now + lease_seconds, group])
-            current = self.policy_version()
+            current = self.state.policy_version()
             while len(taken) < k:
                 ready = [row[0] for row in conn.execute(_READY, {"channel": channel, "n": n, "now": now,
                                                                      "scored": int(bool(scored))})]
@@ -178,7 +184,7 @@ class Consumption:
     def set_group_rows(self, consumer: str, group_id: str, rows: int) -> None:
         """How many rows the consumer's batch of a group it holds has, recorded when the batch is made
         (an ack over HTTP carries no batch to count); nothing when the group is not leased to it."""
-        with self.write() as conn:
+        with self.tx.write() as conn:
             conn.execute("UPDATE consumption SET rows = ? WHERE group_id = ? AND consumer = ? AND status = 'leased'",
                          [rows, group_id, consumer])
 
@@ -191,7 +197,7 @@ class Consumption:
         if not ids:
             return
         rows = dict(rows or {})
-        with self.write() as conn:
+        with self.tx.write() as conn:
             held, lost = _held(conn, consumer, ids, session)
             if lost:
                 raise _refusal(consumer, lost, len(ids), "acknowledged")
@@ -211,7 +217,7 @@ class Consumption:
         ids = _ids(group_ids)
         if not ids:
             return []
-        with self.write() as conn:
+        with self.tx.write() as conn:
             held, _ = _held(conn, consumer, ids, session)
             for group in held:
                 conn.execute("UPDATE consumption SET status = 'released', lease_until = NULL, holder = NULL "
@@ -226,7 +232,7 @@ class Consumption:
         if not ids:
             return []
         now = time.time() if now is None else now
-        with self.write() as conn:
+        with self.tx.write() as conn:
             held, lost = _held(conn, consumer, ids, session)
             for group in held:
                 conn.execute("UPDATE consumption SET lease_until = ? WHERE group_id = ?", [now + lease_seconds, group])
@@ -237,7 +243,7 @@ class Consumption:
         (leased | acked | released | stale), staleness (policy versions behind at its claim; None when
         they are not integers), policy_version (current at the claim), oldest_version (the group's
         oldest trajectory's), rows, claimed_at, acked_at."""
-        return self.query(
+        return self.tx.query(
             "SELECT group_id, channel, consumer, status, staleness, policy_version, oldest_version, rows, claimed_at, "
             "acked_at FROM consumption WHERE (:channel IS NULL OR channel = :channel) "
             "AND (:consumer IS NULL OR consumer = :consumer) ORDER BY claimed_at, group_id",

@@ -20,6 +20,7 @@ import sqlite3
 from typing import Any
 
 from stepmill.errors import BadInput, NotFound
+from stepmill.store.connection import Transactions
 from stepmill.store.encoding import dumps
 from stepmill.store.ids import now_iso
 from stepmill.store.sql_errors import user_condition
@@ -128,14 +129,17 @@ def _one(conn: sqlite3.Connection, sql: str, params: list) -> dict | None:
 
 
 class Curation:
-    """Rewards, reviews and the gate as ``Store`` methods, each call one transaction; the functions
-    above (of the same names) do the work on its connection."""
+    """Rewards, reviews and the gate over the shared connection, each call one transaction; the
+    functions above (of the same names) do the work in it."""
+
+    def __init__(self, tx: Transactions):
+        self.tx = tx
 
     def add_reward(self, target: str, value: float, *, source: str = "api", name: str | None = None,
                    note: str | None = None, details: Any = None, idempotency_key: str | None = None) -> dict:
         """Append a reward to a step, a trajectory, or the step of an upstream response id.
         NotFound for an unknown id. The row comes back with ``new`` False for a repeated idempotency key."""
-        with self.write() as conn:
+        with self.tx.write() as conn:
             kind, target_id = resolve_target(conn, target)
             row, new = add_reward(conn, kind, target_id, float(value), source=source, name=name, note=note,
                                   details=dumps(details), idempotency_key=idempotency_key, created_at=now_iso())
@@ -145,35 +149,35 @@ class Curation:
                                name: str) -> None:
         """Append (trajectory id, value, details) rewards of one reward function in one transaction; a
         value of None records that the function failed (the error in its details)."""
-        with self.write() as conn:
+        with self.tx.write() as conn:
             for trajectory_id, value, details in results:
                 add_reward(conn, "trajectory", trajectory_id, value, source=source, name=name,
                            details=dumps(details), created_at=now_iso())
 
     def rewarded_trajectories(self, name: str) -> set[str]:
         """Ids of the trajectories that have a value from the reward named ``name``."""
-        return {row[0] for row in self.db.conn.execute(
+        return {row[0] for row in self.tx.conn.execute(
             "SELECT target_id FROM rewards WHERE target_kind = 'trajectory' AND name = ? AND value IS NOT NULL",
             [name])}
 
     def add_review(self, target: str, action: str, value: str | None = None, *, reviewer: str) -> dict:
         """Append a review action (label, trainable, tag, note) to a step or trajectory. NotFound if unknown."""
-        with self.write() as conn:
+        with self.tx.write() as conn:
             kind, target_id = resolve_target(conn, target)
             return add_review(conn, kind, target_id, action, value, reviewer=reviewer, created_at=now_iso())
 
     def curation(self, target: str) -> dict:
         """A target's reward history, effective reward, review history and current review state."""
-        conn = self.db.conn
+        conn = self.tx.conn
         kind, target_id = resolve_target(conn, target)
         return {
             "target_kind": kind, "target_id": target_id,
             "reward": effective_reward(conn, kind, target_id),
-            "rewards": self.query("SELECT * FROM rewards WHERE target_kind = ? AND target_id = ? ORDER BY id",
-                                  [kind, target_id]),
+            "rewards": self.tx.query("SELECT * FROM rewards WHERE target_kind = ? AND target_id = ? ORDER BY id",
+                                     [kind, target_id]),
             "review": review_state(conn, kind, target_id),
-            "reviews": self.query("SELECT * FROM reviews WHERE target_kind = ? AND target_id = ? ORDER BY id",
-                                  [kind, target_id]),
+            "reviews": self.tx.query("SELECT * FROM reviews WHERE target_kind = ? AND target_id = ? ORDER BY id",
+                                     [kind, target_id]),
         }
 
     def gate_counts(self, where: str | None = None, params: Any = ()) -> dict:
@@ -182,6 +186,6 @@ class Curation:
         if where:
             sql += f" WHERE ({where})"
         with user_condition(where):
-            counts = {reason: n for reason, n in self.db.conn.execute(sql + " GROUP BY 1", params)}
+            counts = {reason: n for reason, n in self.tx.conn.execute(sql + " GROUP BY 1", params)}
         kept = counts.pop(None, 0)
         return {"kept": kept, "removed": sum(counts.values()), "removed_by_reason": counts}

@@ -6,15 +6,26 @@ from typing import Any, Iterable, Iterator
 
 from stepmill.errors import BadInput, NotFound
 from stepmill.store import curation
+from stepmill.store.blobs import Blobs
+from stepmill.store.connection import Transactions
 from stepmill.store.encoding import loads
+from stepmill.store.history import History
 from stepmill.store.sql_errors import UserParameters, user_rows
+from stepmill.store.token_ids import TokenIds
 
 
 class Export:
-    """One step, or the selected steps in capture order, as exported records; a part of ``Store``."""
+    """One step, or the selected steps in capture order, as exported records: the row with its
+    request (``blobs``), its conversation (``history``) and its token ids (``token_ids``)."""
+
+    def __init__(self, tx: Transactions, blobs: Blobs, history: History, token_ids: TokenIds):
+        self.tx = tx
+        self.blobs = blobs
+        self.history = history
+        self.token_ids = token_ids
 
     def step(self, step_id: str, *, with_tokens: bool = True) -> dict:
-        rows = self.query(
+        rows = self.tx.query(
             "SELECT s.*, t.reward AS trajectory_reward FROM steps s"
             " LEFT JOIN trajectories t ON t.id = s.trajectory_id WHERE s.id = ?", [step_id]
         )
@@ -23,7 +34,7 @@ class Export:
         return self._export(rows[0], with_tokens=with_tokens)
 
     def _export(self, row: dict, *, with_tokens: bool = True) -> dict:
-        request = self._blob(row["request_hash"]) or {}
+        request = self.blobs.get(row["request_hash"]) or {}
         record = {
             "step_id": row["id"],
             "trajectory_id": row["trajectory_id"],
@@ -35,7 +46,7 @@ class Export:
             "host": row["host"],
             "model": row["model"],
             "response_id": row["response_id"],
-            "messages": self.messages(row["id"]),
+            "messages": self.history.messages(row["id"]),
             "tools": request.get("tools"),
             "completion": loads(row["completion"]),
             "finish_reason": row["finish_reason"],
@@ -58,7 +69,7 @@ class Export:
             "logprobs": None,
         }
         if with_tokens and row["prompt_len"] is not None:
-            prompt, response, logprobs = self.token_sequences(row["id"])
+            prompt, response, logprobs = self.token_ids.token_sequences(row["id"])
             record["prompt_ids"] = prompt.tolist()
             record["response_ids"] = response.tolist()
             record["logprobs"] = None if logprobs is None else [float(x) for x in logprobs]
@@ -89,7 +100,7 @@ class Export:
         condition, params = _selection(where, params, gate, group_id, trajectory_id, trajectory_ids, rowids)
         sql = ("SELECT s.*, t.reward AS trajectory_reward FROM steps s"
                f" LEFT JOIN trajectories t ON t.id = s.trajectory_id{condition} ORDER BY s.started_at, s.rowid")
-        for row in user_rows(where, lambda: self.db.query(sql, params)):
+        for row in user_rows(where, lambda: self.tx.db.query(sql, params)):
             yield self._export(row, with_tokens=with_tokens)
 
     def step_shards(self, rows: int, where: str | None = None, params: Any = (), *,
@@ -100,7 +111,7 @@ class Export:
             raise BadInput("a shard holds at least one step")
         condition, params = _selection(where, params, gate, None, None, None, None)
         shards, first, count, last = [], None, 0, None
-        for (rowid,) in user_rows(where, lambda: self.db.execute(
+        for (rowid,) in user_rows(where, lambda: self.tx.db.execute(
                 "SELECT s.rowid FROM steps s LEFT JOIN trajectories t ON t.id = s.trajectory_id"
                 f"{condition} ORDER BY s.rowid", params)):
             first = rowid if first is None else first

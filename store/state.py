@@ -4,26 +4,30 @@ from __future__ import annotations
 
 import time
 
+from stepmill.store.connection import Transactions
 from stepmill.store.sql_errors import file_errors
 
 JOURNAL_PREFIX = "journal:"  # a journal's committed position is kept under journal:<id>
 
 
 class State:
-    """Get and set ``state`` keys and the policy version; a part of ``Store``."""
+    """Get and set ``state`` keys and the policy version."""
+
+    def __init__(self, tx: Transactions):
+        self.tx = tx
 
     def get_state(self, key: str, default: str | None = None) -> str | None:
         with file_errors():  # the writer reads its journal's position so before every batch
-            row = self.db.conn.execute("SELECT value FROM state WHERE key = ?", [key]).fetchone()
+            row = self.tx.conn.execute("SELECT value FROM state WHERE key = ?", [key]).fetchone()
         return row[0] if row else default
 
     def set_state(self, key: str, value: str | None) -> None:
         """None removes the key. Inside ``batch()`` it joins that transaction (the writer commits a
         journal position with the steps it read)."""
-        if self._batch is not None:
-            self._set_state(self.db.conn, key, value)
+        if self.tx.in_batch:
+            self._set_state(self.tx.conn, key, value)
             return
-        with self.write() as conn:
+        with self.tx.write() as conn:
             self._set_state(conn, key, value)
 
     @staticmethod
@@ -35,7 +39,7 @@ class State:
 
     def journal_positions(self) -> dict[str, str]:
         """Every journal's committed position, by state key (``journal:<id>``)."""
-        return {k: v for k, v in self.db.conn.execute(
+        return {k: v for k, v in self.tx.conn.execute(
             "SELECT key, value FROM state WHERE key LIKE ?", [JOURNAL_PREFIX + "%"])}
 
     def policy_version(self) -> str | None:
@@ -46,10 +50,10 @@ class State:
         engine sets the new version from the pause, so every call the engine held is stamped with the
         weights it is served by), and in the history (same transaction) the calls are stamped from."""
         value = None if version is None else str(version)
-        if self._batch is not None:
-            self._set_policy_version(self.db.conn, value, since)
+        if self.tx.in_batch:
+            self._set_policy_version(self.tx.conn, value, since)
             return
-        with self.write() as conn:
+        with self.tx.write() as conn:
             self._set_policy_version(conn, value, since)
 
     def _set_policy_version(self, conn, value: str | None, since: float | None = None) -> None:
@@ -61,7 +65,7 @@ class State:
     def policy_version_at(self, when: float) -> str | None:
         """The version in effect at ``when`` (epoch seconds): the last one set by then (None before any)."""
         with file_errors():  # read by the writer for every call it records
-            row = self.db.conn.execute("SELECT version FROM policy_versions WHERE set_at <= ? ORDER BY set_at "
+            row = self.tx.conn.execute("SELECT version FROM policy_versions WHERE set_at <= ? ORDER BY set_at "
                                        "DESC, rowid DESC LIMIT 1", [when]).fetchone()
         return row[0] if row else None
 

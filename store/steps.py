@@ -12,10 +12,14 @@ from stepmill.errors import BadInput, NotFound
 from stepmill.protocols import messages as linking
 from stepmill.store import curation
 from stepmill.store.assign import ensure_trajectory, find_parent
+from stepmill.store.blobs import Blobs
+from stepmill.store.connection import Transactions
 from stepmill.store.encoding import clean, dumps, float_column, int_column, packed, text_column
+from stepmill.store.history import History
 from stepmill.store.ids import new_id, now_iso
 from stepmill.store.records import StepRecord, check_record
 from stepmill.store.sequences import split_against
+from stepmill.store.token_ids import TokenIds
 
 STATUSES = ("ok", "error", "incomplete")
 SUMMARY_FIELDS = ("step_id", "trajectory_id", "group_id", "parent_step_id", "step_index", "consistency",
@@ -23,7 +27,14 @@ SUMMARY_FIELDS = ("step_id", "trajectory_id", "group_id", "parent_step_id", "ste
 
 
 class Steps:
-    """Write steps (alone, or many in one ``batch()``) and find them; a part of ``Store``."""
+    """Write steps (alone, or many in one ``batch()``) and find them. A step is stored as deltas on its
+    parent's conversation (``history``) and token ids (``token_ids``), its request once (``blobs``)."""
+
+    def __init__(self, tx: Transactions, blobs: Blobs, history: History, token_ids: TokenIds):
+        self.tx = tx
+        self.blobs = blobs
+        self.history = history
+        self.token_ids = token_ids
 
     def record_step(self, rec: StepRecord) -> str:
         """Write one step; assigns trajectory, group, parent and index. Returns the step id."""
@@ -34,13 +45,13 @@ class Steps:
         for rec in records:
             if rec.status not in STATUSES:
                 raise BadInput(f"status must be one of {', '.join(STATUSES)}, not {rec.status!r}")
-        if self._batch is None:  # on its own: a batch of one
-            with self.batch():
+        if not self.tx.in_batch:  # on its own: a batch of one
+            with self.tx.batch():
                 return self.record_steps(records)
         cached: list = []
-        with self.savepoint("record_steps") as conn:  # inside a batch: a failure undoes only this call
+        with self.tx.savepoint("record_steps") as conn:  # inside a batch: a failure undoes only this call
             ids = [self._insert_step(conn, rec, cached) for rec in records]
-        self._batch.extend(cached)
+        self.tx.cache_when_committed(cached)
         return ids
 
     def _insert_step(self, conn: sqlite3.Connection, rec: StepRecord, cached: list) -> str:
@@ -88,8 +99,8 @@ class Steps:
             system_changed = int(system_hash != parent.system_hash)
             if system_changed:
                 notes.append("the system prompt differs from the parent step's")
-        messages_base_len, messages_suffix = split_against(messages, self._continuation(parent_id, "messages"))
-        wire_base_len, wire_suffix = split_against(wire_messages, self._continuation(parent_id, "wire"))
+        messages_base_len, messages_suffix = split_against(messages, self.history.continued(parent_id, "messages"))
+        wire_base_len, wire_suffix = split_against(wire_messages, self.history.continued(parent_id, "wire"))
         usage = rec.usage if isinstance(rec.usage, dict) else {}
         metadata = dict(rec.metadata) if isinstance(rec.metadata, dict) else {}
         if notes:
@@ -107,7 +118,7 @@ class Steps:
             "path": text_column(rec.path),
             "model": text_column(rec.model),
             "response_id": text_column(rec.response_id),
-            "request_hash": self._put_blob(conn, clean({"params": rec.params, "tools": rec.tools})),
+            "request_hash": self.blobs.put(conn, clean({"params": rec.params, "tools": rec.tools})),
             "message_count": len(messages),
             "messages_base_len": messages_base_len,
             "messages_suffix": dumps(list(messages_suffix)),
@@ -130,7 +141,7 @@ class Steps:
             "channel": traj["channel"] or "train",
             "policy_version": text_column(rec.policy_version),
             "reward": None,  # effective, set from the rewards table below
-            "headers_hash": self._put_blob(conn, clean(rec.headers) if rec.headers else None),
+            "headers_hash": self.blobs.put(conn, clean(rec.headers) if rec.headers else None),
             "link_key": keys[len(messages) - 1] if messages else None,
             "continuation_key": keys[-1] if completion else None,
             "loose_key": loose[-1] if completion and loose else None,
@@ -142,8 +153,8 @@ class Steps:
             "raw_response": rec.raw_response,
             "token_provenance": "none",
         }
-        row.update(self._token_columns(parent_id, rec.prompt_ids, rec.response_ids, rec.logprobs,
-                                       rec.token_provenance or "exact", system_changed=bool(system_changed)))
+        row.update(self.token_ids.token_columns(parent_id, rec.prompt_ids, rec.response_ids, rec.logprobs,
+                                                 rec.token_provenance or "exact", system_changed=bool(system_changed)))
         cols = ",".join(row)
         conn.execute(f"INSERT INTO steps ({cols}) VALUES ({','.join('?' * len(row))})", list(row.values()))
         if float_column(rec.reward) is not None:
@@ -159,30 +170,30 @@ class Steps:
     # -- lookups --------------------------------------------------------------------------
     def step_for_response(self, response_id: str) -> str | None:
         """The newest step that answered with this upstream response id (chatcmpl-…, msg_…, resp_…)."""
-        row = self.db.conn.execute("SELECT id FROM steps WHERE response_id = ? ORDER BY rowid DESC LIMIT 1",
+        row = self.tx.conn.execute("SELECT id FROM steps WHERE response_id = ? ORDER BY rowid DESC LIMIT 1",
                                    [response_id]).fetchone()
         return row[0] if row else None
 
     def trajectory_of_step(self, step_id: str) -> str | None:
-        row = self.db.conn.execute("SELECT trajectory_id FROM steps WHERE id = ?", [step_id]).fetchone()
+        row = self.tx.conn.execute("SELECT trajectory_id FROM steps WHERE id = ?", [step_id]).fetchone()
         return row[0] if row else None
 
     def last_step(self, trajectory_id: str) -> str | None:
         """The trajectory's latest step: highest index, then latest written."""
-        row = self.db.conn.execute(
+        row = self.tx.conn.execute(
             "SELECT id FROM steps WHERE trajectory_id = ? ORDER BY step_index DESC, rowid DESC LIMIT 1",
             [trajectory_id]).fetchone()
         return row[0] if row else None
 
     def step_ids(self, trajectory_id: str) -> list[str]:
         """Ids of the trajectory's steps."""
-        return [row[0] for row in self.db.conn.execute("SELECT id FROM steps WHERE trajectory_id = ?",
+        return [row[0] for row in self.tx.conn.execute("SELECT id FROM steps WHERE trajectory_id = ?",
                                                        [trajectory_id])]
 
     def step_summary(self, step_id: str) -> dict:
         """Where a step landed: its trajectory, group, parent and index, and whether its ids continue the
         parent's (``consistency``, ``divergence_pos``, ``divergence_reason``)."""
-        row = self.db.conn.execute(
+        row = self.tx.conn.execute(
             "SELECT id, trajectory_id, group_id, parent_step_id, step_index, consistency, divergence_pos,"
             " divergence_reason FROM steps WHERE id = ?", [step_id]).fetchone()
         if row is None:

@@ -7,11 +7,15 @@ from __future__ import annotations
 import math
 
 from stepmill.errors import BadInput
+from stepmill.store.connection import Transactions
 from stepmill.store.ids import now_iso
 
 
 class Training:
-    """A part of ``Store`` (it uses the store's ``write()`` transactions and ``query``)."""
+    """Record and read training runs' numbers."""
+
+    def __init__(self, tx: Transactions):
+        self.tx = tx
 
     def record_train_metrics(self, run: str, version: int, metrics: dict[str, float | int | None]) -> None:
         """Set ``run``'s numbers for ``version`` (a name measured again replaces its value)."""
@@ -22,7 +26,7 @@ class Training:
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
                 raise BadInput(f"{name}: a training metric is a finite number or None, not {value!r}")
             rows.append([run, int(version), name, None if value is None else float(value), now_iso()])
-        with self.write() as conn:
+        with self.tx.write() as conn:
             conn.executemany("INSERT OR REPLACE INTO train_metrics (run, version, name, value, recorded_at) "
                              "VALUES (?, ?, ?, ?, ?)", rows)
 
@@ -33,18 +37,12 @@ class Training:
         if run is not None:
             where, params = "WHERE run = ?", [run]
         table: dict[tuple, dict] = {}
-        for row in self.query(f"SELECT run, version, name, value FROM train_metrics {where} ORDER BY run, version",
-                              params):
+        for row in self.tx.query(f"SELECT run, version, name, value FROM train_metrics {where} ORDER BY run, version",
+                                 params):
             table.setdefault((row["run"], row["version"]), {"run": row["run"], "version": row["version"]})[
                 row["name"]] = row["value"]
         return list(table.values())
 
     def train_runs(self) -> list[str]:
         """The names of the training runs with numbers recorded."""
-        return [row["run"] for row in self.query("SELECT DISTINCT run FROM train_metrics ORDER BY run")]
-
-    def mean_trajectory_reward(self, id_prefix: str) -> float | None:
-        """The mean effective reward of the complete trajectories whose ids start with ``id_prefix``."""
-        rows = self.query("SELECT avg(reward) AS mean FROM trajectories WHERE substr(id, 1, ?) = ? "
-                          "AND status = 'complete' AND reward IS NOT NULL", [len(id_prefix), id_prefix])
-        return rows[0]["mean"] if rows else None
+        return [row["run"] for row in self.tx.query("SELECT DISTINCT run FROM train_metrics ORDER BY run")]

@@ -1,4 +1,4 @@
-"""Trajectories and their groups, the runner's registered runs, and each task's scoring fields."""
+"""Trajectories and their groups, and each task's scoring fields."""
 
 from __future__ import annotations
 
@@ -7,36 +7,43 @@ from typing import Any
 from stepmill.errors import Conflict, NotFound
 from stepmill.store import curation
 from stepmill.store.assign import ensure_trajectory, set_trajectory_fields
+from stepmill.store.connection import Transactions
 from stepmill.store.encoding import dumps, loads
 from stepmill.store.ids import new_id, now_iso
 from stepmill.store.sql_errors import UserParameters, user_condition
+from stepmill.store.state import State
 
 
 class Trajectories:
-    """Start, change, complete and read trajectories; register runs; a part of ``Store``."""
+    """Start, change, complete and read trajectories (stamped with ``state``'s policy version)."""
+
+    def __init__(self, tx: Transactions, state: State):
+        self.tx = tx
+        self.state = state
 
     def trajectory(self, trajectory_id: str) -> dict | None:
-        rows = self.query("SELECT * FROM trajectories WHERE id = ?", [trajectory_id])
+        rows = self.tx.query("SELECT * FROM trajectories WHERE id = ?", [trajectory_id])
         if not rows:
             return None
         row = rows[0]
         row["metadata"] = loads(row["metadata"])
-        row["step_count"] = self.db.conn.execute(
+        row["step_count"] = self.tx.conn.execute(
             "SELECT count(*) FROM steps WHERE trajectory_id = ?", [trajectory_id]
         ).fetchone()[0]
         return row
 
     def start_trajectory(self, *, trajectory_id=None, group_id=None, channel=None, metadata=None) -> dict:
         trajectory_id = trajectory_id or new_id("t")
-        with self.write() as conn:
+        with self.tx.write() as conn:
             if conn.execute("SELECT 1 FROM trajectories WHERE id = ?", [trajectory_id]).fetchone():
                 raise Conflict(f"trajectory {trajectory_id!r} already exists")
             ensure_trajectory(conn, trajectory_id, group_id=group_id, channel=channel, source="api",
-                              metadata=dumps(metadata), policy_version=self.policy_version(), created_at=now_iso())
+                              metadata=dumps(metadata), policy_version=self.state.policy_version(),
+                              created_at=now_iso())
         return self.trajectory(trajectory_id)
 
     def update_trajectory(self, trajectory_id: str, *, group_id=None, channel=None, metadata=None) -> dict:
-        with self.write() as conn:
+        with self.tx.write() as conn:
             row = conn.execute("SELECT metadata FROM trajectories WHERE id = ?", [trajectory_id]).fetchone()
             if row is None:
                 raise NotFound(trajectory_id)
@@ -49,7 +56,7 @@ class Trajectories:
         return self.trajectory(trajectory_id)
 
     def complete_trajectory(self, trajectory_id: str, *, reward: float | None = None) -> dict:
-        with self.write() as conn:
+        with self.tx.write() as conn:
             if not conn.execute("SELECT 1 FROM trajectories WHERE id = ?", [trajectory_id]).fetchone():
                 raise NotFound(trajectory_id)
             conn.execute("UPDATE trajectories SET status = 'complete', completed_at = ? WHERE id = ?",
@@ -70,7 +77,7 @@ class Trajectories:
             condition += f" AND t.group_id = {bound.bind('_group', group_id)}"
             params = bound.values
         with user_condition(where):
-            rows = self.query(f"SELECT t.* FROM trajectories t WHERE {condition} ORDER BY t.created_at", params)
+            rows = self.tx.query(f"SELECT t.* FROM trajectories t WHERE {condition} ORDER BY t.created_at", params)
         rows = rows if id_prefix is None else [row for row in rows if row["id"].startswith(id_prefix)]
         for row in rows:
             row["metadata"] = loads(row["metadata"])
@@ -78,103 +85,21 @@ class Trajectories:
 
     def trajectories_in_group(self, group_id: str) -> list[str]:
         """Ids of the group's trajectories."""
-        return [row[0] for row in self.db.conn.execute("SELECT id FROM trajectories WHERE group_id = ?",
+        return [row[0] for row in self.tx.conn.execute("SELECT id FROM trajectories WHERE group_id = ?",
                                                        [group_id])]
 
     def unsuccessful_runs(self) -> list[str]:
         """Ids of the runner's trajectories whose run crashed or timed out (``metadata.outcome`` not ok)."""
-        return [row[0] for row in self.db.conn.execute(
+        return [row[0] for row in self.tx.conn.execute(
             "SELECT id FROM trajectories WHERE json_extract(metadata, '$.outcome') != 'ok'")]
-
-    # -- registered runs ------------------------------------------------------------------
-    def register_run(self, trajectory_id: str, secret_hash: str, *, door: str | None = None,
-                     hosts: list | None = None) -> dict:
-        """The runner's run: its trajectory (which must exist) may now be written only with the secret.
-        ``door``: the loopback address a sandboxed run's calls come from (Conflict while a run not
-        revoked has it); ``hosts``: what else it may reach through the proxy."""
-        with self.write() as conn:
-            row = conn.execute("SELECT group_id, channel FROM trajectories WHERE id = ?", [trajectory_id]).fetchone()
-            if row is None:
-                raise NotFound(trajectory_id)
-            if door is not None and conn.execute(
-                    "SELECT 1 FROM run_credentials rc WHERE door = ? AND trajectory_id != ? AND rowid ="
-                    " (SELECT max(rowid) FROM run_credentials WHERE trajectory_id = rc.trajectory_id)"
-                    " AND revoked_at IS NULL", [door, trajectory_id]).fetchone():
-                raise Conflict(f"door {door} belongs to a run that has not ended")
-            cursor = conn.execute(
-                "INSERT INTO run_credentials (trajectory_id, group_id, channel, secret_hash, created_at, door, hosts)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)", [trajectory_id, row[0], row[1], secret_hash, now_iso(), door,
-                                                  dumps(hosts) if hosts else None])
-            # A trajectory nobody registered that already sits in this group (written before any run of
-            # it was registered) would keep the group open for ever: it moves to a group of its own.
-            for (foreign,) in conn.execute(
-                    "SELECT id FROM trajectories WHERE group_id = ? AND id NOT IN"
-                    " (SELECT trajectory_id FROM run_credentials)", [row[0]]).fetchall() if row[0] else []:
-                set_trajectory_fields(conn, foreign, {"group_id": f"{row[0]}~unregistered"})
-        return {"rowid": cursor.lastrowid, "trajectory_id": trajectory_id, "group_id": row[0], "channel": row[1],
-                "secret_hash": secret_hash, "door": door, "hosts": list(hosts or [])}
-
-    def latest_run(self, trajectory_id: str) -> dict | None:
-        """The run's registration (or revocation) in force, read only; None when it was never registered."""
-        rows = self.query("SELECT rowid, trajectory_id, group_id, channel, secret_hash, revoked_at, door"
-                          " FROM run_credentials WHERE trajectory_id = ? ORDER BY rowid DESC LIMIT 1", [trajectory_id])
-        return rows[0] if rows else None
-
-    def revoke_run(self, trajectory_id: str) -> dict | None:
-        """The run's secret stops working: a newer row without one (None when it was never registered,
-        the row in force when it is revoked already)."""
-        with self.write() as conn:
-            row = conn.execute("SELECT rowid, group_id, channel, secret_hash, revoked_at, door FROM run_credentials"
-                               " WHERE trajectory_id = ? ORDER BY rowid DESC LIMIT 1", [trajectory_id]).fetchone()
-            if row is None:
-                return None
-            if row[4] is not None:
-                return {"rowid": row[0], "trajectory_id": trajectory_id, "group_id": row[1], "channel": row[2],
-                        "secret_hash": row[3], "revoked_at": row[4], "door": row[5]}
-            revoked_at = now_iso()
-            cursor = conn.execute(  # the door stays the run's: what still comes through it is refused
-                "INSERT INTO run_credentials (trajectory_id, group_id, channel, secret_hash, created_at, revoked_at,"
-                " door) VALUES (?, ?, ?, '', ?, ?, ?)", [trajectory_id, row[1], row[2], revoked_at, revoked_at, row[5]])
-        return {"rowid": cursor.lastrowid, "trajectory_id": trajectory_id, "group_id": row[1], "channel": row[2],
-                "secret_hash": "", "revoked_at": revoked_at, "door": row[5]}
-
-    def registered_runs(self, after_rowid: int = 0) -> list[dict]:
-        """Registrations and revocations newer than ``after_rowid``, oldest first (a later one replaces
-        an earlier)."""
-        rows = self.query("SELECT rowid, trajectory_id, group_id, channel, secret_hash, revoked_at, door, hosts"
-                          " FROM run_credentials WHERE rowid > ? ORDER BY rowid", [after_rowid])
-        for row in rows:
-            row["hosts"] = loads(row["hosts"]) or []
-        return rows
-
-    def run_readiness(self) -> list[dict]:
-        """How far each run registered in this file is (what a node reports to the coordinator):
-        trajectory_id, group_id, channel, complete, scored, policy_version, group_size (the group's
-        registered runs here). ``registered_runs`` is another thing: the registrations themselves."""
-        rows = self.query(
-            "SELECT t.id AS trajectory_id, t.group_id, t.channel, t.status = 'complete' AS complete,"
-            " t.reward IS NOT NULL AS scored, t.policy_version,"
-            " (SELECT count(DISTINCT rc2.trajectory_id) FROM run_credentials rc2"
-            "  JOIN trajectories t2 ON t2.id = rc2.trajectory_id WHERE t2.group_id = t.group_id) AS group_size"
-            " FROM trajectories t WHERE t.id IN (SELECT trajectory_id FROM run_credentials)"
-            " AND t.group_id IS NOT NULL ORDER BY t.created_at, t.id")
-        for row in rows:
-            row["complete"], row["scored"] = bool(row["complete"]), bool(row["scored"])
-        return rows
-
-    def registered_at(self, trajectory_id: str) -> str | None:
-        """When the run's latest attempt was registered (its steps start after), or None."""
-        row = self.db.conn.execute("SELECT max(created_at) FROM run_credentials WHERE trajectory_id = ?"
-                                   " AND revoked_at IS NULL", [trajectory_id]).fetchone()
-        return row[0] if row else None
 
     # -- scoring fields: a task's answers and tests, apart from what agents can read ------------
     def set_scoring_fields(self, trajectory_id: str, fields: dict) -> None:
-        with self.write() as conn:
+        with self.tx.write() as conn:
             conn.execute("INSERT OR REPLACE INTO scoring_fields (trajectory_id, fields) VALUES (?, ?)",
                          [trajectory_id, dumps(fields)])
 
     def scoring_fields(self, trajectory_id: str) -> dict:
-        row = self.db.conn.execute("SELECT fields FROM scoring_fields WHERE trajectory_id = ?",
+        row = self.tx.conn.execute("SELECT fields FROM scoring_fields WHERE trajectory_id = ?",
                                    [trajectory_id]).fetchone()
         return (loads(row[0]) or {}) if row else {}

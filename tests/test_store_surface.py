@@ -1,6 +1,7 @@
-"""The store's interface: what another backend must provide, and the methods callers use instead of SQL."""
+"""The store's surface: what callers call of it exists, each name forwards to the part that does it,
+and the methods callers use instead of SQL behave."""
 
-import inspect
+import ast
 import sqlite3
 from pathlib import Path
 
@@ -8,29 +9,51 @@ import pytest
 
 from stepmill.errors import BadInput, Conflict, NotFound, StoreUnavailable
 from stepmill.store import StepRecord, Store
-from stepmill.store.interface import StoreInterface
+from stepmill.store.db import forward
 
 ROOT = Path(__file__).resolve().parent.parent
 USER = [{"role": "user", "content": "q"}]
 ANSWER = {"role": "assistant", "content": "a"}
 
 
-def _protocol_methods() -> dict:
-    return {name: value for name, value in vars(StoreInterface).items()
-            if inspect.isfunction(value) and not name.startswith("_")}
+def _forwards() -> dict[str, forward]:
+    return {name: value for name, value in vars(Store).items() if isinstance(value, forward)}
 
 
-def _parameters(function) -> list:
-    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+def test_every_forward_reaches_the_method_of_the_part_the_store_built(tmp_path):
+    store = Store(tmp_path / "f.db")
+    forwards = _forwards()
+    assert len(forwards) > 60
+    for name, declared in forwards.items():
+        part = getattr(store, declared.part)
+        # the part built under that attribute is the class the forwarded function belongs to
+        assert getattr(type(part), name) is declared.method, f"Store.{name} -> {declared.part}.{name}"
+        assert getattr(store, name) == getattr(part, name)
+    public = {name for name in vars(Store) if not name.startswith("_")}
+    assert public == set(forwards), "a public method of Store that is not a forward to a part"
 
 
-def test_store_has_every_method_of_the_interface_with_the_same_parameters(tmp_path):
-    methods = _protocol_methods()
-    assert len(methods) > 40
-    for name, declared in methods.items():
-        assert hasattr(Store, name), f"Store has no {name}"
-        assert _parameters(getattr(Store, name)) == _parameters(declared), name
-    assert isinstance(Store(tmp_path / "i.db"), StoreInterface)
+def _attributes_called_on_a_store() -> dict[str, str]:
+    """``store.x`` / ``self.store.x`` / ``self._store.x`` anywhere in the tree: name -> a file using it."""
+    found: dict[str, str] = {}
+    for folder in ("stepmill", "addon", "trainer_bridge", "store", "bench", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(node, ast.Attribute):
+                    continue
+                owner = node.value
+                if (isinstance(owner, ast.Name) and owner.id == "store") or (
+                        isinstance(owner, ast.Attribute) and owner.attr in ("store", "_store")):
+                    found.setdefault(node.attr, str(path.relative_to(ROOT)))
+    return found
+
+
+def test_everything_callers_use_of_a_store_exists(tmp_path):
+    store = Store(tmp_path / "u.db")
+    used = _attributes_called_on_a_store()
+    assert {"record_steps", "policy_version", "iter_steps", "claim_groups", "curation"} <= set(used)
+    missing = {name: where for name, where in used.items() if not hasattr(store, name)}
+    assert not missing, f"called on a store, and Store has no such attribute: {missing}"
 
 
 def test_data_version_changes_when_another_connection_commits(tmp_path):
@@ -253,3 +276,20 @@ def test_a_policy_version_set_after_a_clock_step_back_still_comes_after(tmp_path
     monkeypatch.undo()
     assert store.policy_version_at(time.time()) == "2"
     assert store.policy_version_at(now - 7200) is None
+
+
+def test_a_batch_caches_what_it_wrote_only_once_it_commits(tmp_path):
+    store = Store(tmp_path / "c.db")
+
+    def cached_conversations() -> set:
+        return {key for key in store.transactions.cache if key[0] in ("messages", "wire")}
+
+    with pytest.raises(RuntimeError), store.batch():
+        lost = store.record_step(StepRecord(api="openai.chat", messages=USER, completion=ANSWER))
+        raise RuntimeError("the batch fails")
+    assert not cached_conversations() and store.trajectory_of_step(lost) is None
+    with store.batch():
+        kept = store.record_step(StepRecord(api="openai.chat", messages=USER, completion=ANSWER))
+        assert not cached_conversations()  # not before the commit
+    assert cached_conversations() == {("messages", kept), ("wire", kept)}
+    assert store.continuation(kept) == (USER + [ANSWER], [])
