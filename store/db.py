@@ -21,6 +21,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Iterable, Iterator
+
 from stepmill.store.blobs import Blobs
 from stepmill.store.connection import Transactions, open_database
 from stepmill.store.consumption import Consumption
@@ -32,6 +34,7 @@ from stepmill.store.state import State
 from stepmill.store.stats import Stats
 from stepmill.store.steps import Steps
 from stepmill.store.token_ids import TokenIds
+from stepmill.store.token_rows import TokenRow, read_token_rows
 from stepmill.store.trajectories import Trajectories
 from stepmill.store.training import Training
 
@@ -50,3 +53,9 @@ class Store(Transactions, State, Blobs, Trajectories, Steps, TokenIds, History, 
         self._cache = LRU(cache_size)  # conversations, token ids and blobs already read
         self._batch: list | None = None  # inside batch(): cache entries to keep once it commits
         self._data_version = self.data_version()  # token ids cached before another process changed them go
+
+    def token_rows(self, where: str | None = None, params: Any = (), *, gate: bool = True, group_id: str | None = None,
+                   trajectory_ids: Iterable[str] | None = None) -> Iterator[TokenRow]:
+        """The selected steps as trainers read them (``store/token_rows.py``): ids, logprobs, reward and
+        place, no conversation rebuilt; through the curation gate unless ``gate`` is False."""
+        return read_token_rows(self, where, params, gate=gate, group_id=group_id, trajectory_ids=trajectory_ids)
