@@ -3,7 +3,7 @@
 A step's prompt ids are stored as a delta on its parent's prompt + response ids (``sequences.py``,
 ``token_ids.py``). A trainer needs the ids, the logprobs, the reward and the step's place (trajectory,
 group, index, policy version), never the conversation: ``read_token_rows`` reads the selected steps'
-deltas and those of the ancestors they continue in one snapshot (two queries), then rebuilds each
+deltas and those of the ancestors they continue in one statement (one snapshot), then rebuilds each
 step's ids by concatenation. The ids are the stored ones, never re-encoded, and each row keeps its
 step's ``token_provenance``. A rebuilt sequence is kept only until the last step that continues it
 has been read, so memory follows the deltas, not the rebuilt prompts.
@@ -11,7 +11,6 @@ has been read, so memory follows the deltas, not the rebuilt prompts.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -20,24 +19,31 @@ import numpy as np
 
 from stepmill.store.export import _selection
 from stepmill.store.sequences import ID_DTYPE, unpack_ids, unpack_logprobs
-from stepmill.store.sql_errors import file_errors, user_rows
+from stepmill.store.sql_errors import user_rows
 
-_SELECTED = ("SELECT s.id, s.parent_step_id, s.prompt_len, s.prompt_base_len, s.prompt_suffix, s.response_ids,"
-             " s.trajectory_id, s.group_id, s.step_index, s.policy_version, coalesce(s.reward, t.reward),"
-             " s.token_provenance, s.logprobs"
-             " FROM steps s LEFT JOIN trajectories t ON t.id = s.trajectory_id{condition}"
-             " ORDER BY s.started_at, s.rowid")
-# The steps the selected ones continue that the selection left out (gated out, another --where), and
-# theirs in turn: the walk stops at a step that shares nothing with its parent, as ``History._chain``'s.
-_ANCESTORS = """
-    WITH RECURSIVE chain(id) AS (
-        SELECT value FROM json_each(?)
+# One statement, so one snapshot of the file: the selected steps in capture order, after the steps they
+# continue that the selection left out (gated out, another --where) and those these continue in turn.
+# The walk up stops at a step that shares nothing with its parent, as ``History._chain``'s does.
+_TOKEN_ROWS = """
+    WITH RECURSIVE selected AS MATERIALIZED (
+        SELECT s.id, s.parent_step_id, s.prompt_len, s.prompt_base_len, s.prompt_suffix, s.response_ids,
+               s.trajectory_id, s.group_id, s.step_index, s.policy_version, coalesce(s.reward, t.reward) AS reward,
+               s.token_provenance, s.logprobs, s.started_at, s.rowid AS position
+        FROM steps s LEFT JOIN trajectories t ON t.id = s.trajectory_id{condition}
+    ),
+    left_out(id) AS (
+        SELECT parent_step_id FROM selected
+        WHERE coalesce(prompt_base_len, 0) > 0 AND parent_step_id NOT IN (SELECT id FROM selected)
         UNION
-        SELECT s.parent_step_id FROM steps s JOIN chain ON s.id = chain.id
-        WHERE s.parent_step_id IS NOT NULL AND coalesce(s.prompt_base_len, 0) > 0
+        SELECT s.parent_step_id FROM steps s JOIN left_out ON s.id = left_out.id
+        WHERE coalesce(s.prompt_base_len, 0) > 0 AND s.parent_step_id NOT IN (SELECT id FROM selected)
     )
-    SELECT s.id, s.parent_step_id, s.prompt_len, s.prompt_base_len, s.prompt_suffix, s.response_ids
-    FROM steps s JOIN chain ON s.id = chain.id"""
+    SELECT 0, s.id, s.parent_step_id, s.prompt_len, s.prompt_base_len, s.prompt_suffix, s.response_ids,
+           NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+    FROM steps s WHERE s.id IN (SELECT id FROM left_out)
+    UNION ALL
+    SELECT 1, * FROM selected
+    ORDER BY 1, 15, 16"""
 _NO_IDS = np.zeros(0, ID_DTYPE)
 
 
@@ -78,22 +84,9 @@ def read_token_rows(store, where: str | None = None, params: Any = (), *, gate: 
     ``where`` a user's condition on ``steps s``, ``BadInput`` when SQLite refuses it; ``gate``: only
     what the curation gate lets through)."""
     condition, values = _selection(where, params, gate, group_id, None, trajectory_ids, None)
-    conn = store.db.conn
-    own_snapshot = not conn.in_transaction  # both queries see one state of the file
-    with file_errors():
-        if own_snapshot:
-            conn.execute("BEGIN")
-    try:
-        selected = list(user_rows(where, lambda: conn.execute(_SELECTED.format(condition=condition), values)))
-        deltas = {row[0]: row[1:6] for row in selected}
-        missing = {row[1] for row in selected if row[3] and row[1] not in deltas}
-        if missing:
-            with file_errors():
-                for row in conn.execute(_ANCESTORS, [json.dumps(sorted(missing))]):
-                    deltas.setdefault(row[0], row[1:6])
-    finally:
-        if own_snapshot and conn.in_transaction:
-            conn.execute("COMMIT")
+    rows = list(user_rows(where, lambda: store.db.conn.execute(_TOKEN_ROWS.format(condition=condition), values)))
+    deltas = {row[1]: row[2:7] for row in rows}
+    selected = [row[1:14] for row in rows if row[0]]
     sequences = _Sequences(deltas, [row[0] for row in selected if row[2] is not None])
     for (step_id, parent, prompt_len, _base, _suffix, _response, trajectory_id, group, step_index, version,
          reward, provenance, logprobs) in selected:
