@@ -226,7 +226,7 @@ def rows_from_step_batch(batch: Batch) -> tuple[list[Row], Counter]:
 def chain_rows(by_trajectory: dict[str, list], report: Counter) -> tuple[list[Row], Counter]:
     """Each trajectory's steps (token rows with ids) as rows: a step that continues its parent
     token-exactly extends the row (what lies between is context), any other starts a new one."""
-    rows = []
+    rows, parts = [], []  # parts: each row's loss and logprob pieces, joined once at the end
     for trajectory_id, steps in by_trajectory.items():
         steps.sort(key=lambda s: (s.step_index is None, s.step_index))
         row = None
@@ -241,15 +241,18 @@ def chain_rows(by_trajectory: dict[str, list], report: Counter) -> tuple[list[Ro
                     report["new row: a step does not continue its parent token-exactly"] += 1
                 row = Row(trajectory_id, step.group_id)
                 rows.append(row)
+                parts.append(([row.loss], [row.logprobs]))
                 n = 0
             context = prompt[n:]  # tool results, user turns, template tokens: context, not trained on
             logprobs = np.asarray(step.logprobs if step.logprobs is not None else np.zeros(len(response)),
                                   dtype=np.float32)
-            row.ids = np.concatenate([row.ids, context, response])
-            row.loss = np.concatenate([row.loss, np.zeros(len(context), np.int8), np.ones(len(response), np.int8)])
-            row.logprobs = np.concatenate([row.logprobs, np.zeros(len(context), np.float32), logprobs])
+            row.ids = np.concatenate([prompt, response])  # the row so far: it starts with this prompt
+            parts[-1][0].extend((np.zeros(len(context), np.int8), np.ones(len(response), np.int8)))
+            parts[-1][1].extend((np.zeros(len(context), np.float32), logprobs))
             row.step_ids.append(step.step_id)
             row.reward = step.reward
+    for row, (loss, logprobs) in zip(rows, parts):
+        row.loss, row.logprobs = np.concatenate(loss), np.concatenate(logprobs)
     report["rows"] = len(rows)
     return rows, report
 
