@@ -19,7 +19,7 @@ import numpy as np
 
 from stepmill.store.export import _selection
 from stepmill.store.sequences import ID_DTYPE, unpack_ids, unpack_logprobs
-from stepmill.store.sql_errors import user_rows
+from stepmill.store.sql_errors import user_condition
 
 # One statement, so one snapshot of the file: the selected steps in capture order, after the steps they
 # continue that the selection left out (gated out, another --where) and those these continue in turn.
@@ -84,7 +84,8 @@ def read_token_rows(store, where: str | None = None, params: Any = (), *, gate: 
     ``where`` a user's condition on ``steps s``, ``BadInput`` when SQLite refuses it; ``gate``: only
     what the curation gate lets through)."""
     condition, values = _selection(where, params, gate, group_id, None, trajectory_ids, None)
-    rows = list(user_rows(where, lambda: store.db.conn.execute(_TOKEN_ROWS.format(condition=condition), values)))
+    with user_condition(where):
+        rows = store.db.conn.execute(_TOKEN_ROWS.format(condition=condition), values).fetchall()
     deltas = {row[1]: row[2:7] for row in rows}
     selected = [row[1:14] for row in rows if row[0]]
     sequences = _Sequences(deltas, [row[0] for row in selected if row[2] is not None])
