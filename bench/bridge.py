@@ -299,7 +299,7 @@ def main() -> None:
 
     started = time.perf_counter()
     path = big_file(args.big_groups)
-    big = Store(path, readonly=True)
+    big = Store(path)  # a writer: a file cached by an older stepmill is migrated
     steps, big_tokens = step_tokens(big)
     print(f"\n(b) file: {args.big_groups:,} groups × 8 rollouts × 5 turns ({steps:,} steps, {big_tokens:,} step "
           f"tokens, {path.stat().st_size / 2**20:,.0f} MiB; ready in {time.perf_counter() - started:.0f} s: "
