@@ -34,7 +34,7 @@ from stepmill.store.state import State
 from stepmill.store.stats import Stats
 from stepmill.store.steps import Steps
 from stepmill.store.token_ids import TokenIds
-from stepmill.store.token_rows import TokenRow, read_token_rows
+from stepmill.store.token_rows import TokenRow, TokenRows
 from stepmill.store.trajectories import Trajectories
 from stepmill.store.training import Training
 
@@ -58,4 +58,4 @@ class Store(Transactions, State, Blobs, Trajectories, Steps, TokenIds, History, 
                    trajectory_ids: Iterable[str] | None = None) -> Iterator[TokenRow]:
         """The selected steps as trainers read them (``store/token_rows.py``): ids, logprobs, reward and
         place, no conversation rebuilt; through the curation gate unless ``gate`` is False."""
-        return read_token_rows(self, where, params, gate=gate, group_id=group_id, trajectory_ids=trajectory_ids)
+        return TokenRows(self).token_rows(where, params, gate=gate, group_id=group_id, trajectory_ids=trajectory_ids)

@@ -2,9 +2,9 @@
 
 A step's prompt ids are stored as a delta on its parent's prompt + response ids (``sequences.py``,
 ``token_ids.py``). A trainer needs the ids, the logprobs, the reward and the step's place (trajectory,
-group, index, policy version), never the conversation: ``read_token_rows`` reads the selected steps'
-deltas and those of the ancestors they continue in one statement (one snapshot), then rebuilds each
-step's ids by concatenation. The ids are the stored ones, never re-encoded, and each row keeps its
+group, index, policy version), never the conversation: ``TokenRows.token_rows`` reads the selected
+steps' deltas and those of the ancestors they continue in one statement (one snapshot), then rebuilds
+each step's ids by concatenation. The ids are the stored ones, never re-encoded, and each row keeps its
 step's ``token_provenance``. A rebuilt sequence is kept only until the last step that continues it
 has been read, so memory follows the deltas, not the rebuilt prompts.
 """
@@ -78,25 +78,31 @@ class TokenRow:
         return np.repeat(np.array([0, 1], dtype=np.int8), [len(self.prompt_ids), len(self.response_ids)])
 
 
-def read_token_rows(store, where: str | None = None, params: Any = (), *, gate: bool = True,
-                    group_id: str | None = None, trajectory_ids: Iterable[str] | None = None) -> Iterator[TokenRow]:
-    """The selected steps as ``TokenRow``s in capture order (``Export.iter_steps``'s selection and order:
-    ``where`` a user's condition on ``steps s``, ``BadInput`` when SQLite refuses it; ``gate``: only
-    what the curation gate lets through)."""
-    condition, values = _selection(where, params, gate, group_id, None, trajectory_ids, None)
-    with user_condition(where):
-        rows = store.db.conn.execute(_TOKEN_ROWS.format(condition=condition), values).fetchall()
-    deltas = {row[1]: row[2:7] for row in rows}
-    selected = [row[1:14] for row in rows if row[0]]
-    sequences = _Sequences(deltas, [row[0] for row in selected if row[2] is not None])
-    for (step_id, parent, prompt_len, _base, _suffix, _response, trajectory_id, group, step_index, version,
-         reward, provenance, logprobs) in selected:
-        prompt = response = None
-        if prompt_len is not None:
-            full = sequences.take(step_id)
-            prompt, response = full[:prompt_len], full[prompt_len:]
-        yield TokenRow(step_id, trajectory_id, group, parent, step_index, version, reward, provenance or "none",
-                       prompt, response, None if prompt is None else unpack_logprobs(logprobs))
+class TokenRows:
+    """Steps as trainers read them; a part of ``Store`` given what holds the connection (``tx.db``)."""
+
+    def __init__(self, tx):
+        self.tx = tx
+
+    def token_rows(self, where: str | None = None, params: Any = (), *, gate: bool = True,
+                   group_id: str | None = None, trajectory_ids: Iterable[str] | None = None) -> Iterator[TokenRow]:
+        """The selected steps as ``TokenRow``s in capture order (``Export.iter_steps``'s selection and
+        order: ``where`` a user's condition on ``steps s``, ``BadInput`` when SQLite refuses it; ``gate``:
+        only what the curation gate lets through, as trainers read)."""
+        condition, values = _selection(where, params, gate, group_id, None, trajectory_ids, None)
+        with user_condition(where):
+            rows = self.tx.db.conn.execute(_TOKEN_ROWS.format(condition=condition), values).fetchall()
+        deltas = {row[1]: row[2:7] for row in rows}
+        selected = [row[1:14] for row in rows if row[0]]
+        sequences = _Sequences(deltas, [row[0] for row in selected if row[2] is not None])
+        for (step_id, parent, prompt_len, _base, _suffix, _response, trajectory_id, group, step_index, version,
+             reward, provenance, logprobs) in selected:
+            prompt = response = None
+            if prompt_len is not None:
+                full = sequences.take(step_id)
+                prompt, response = full[:prompt_len], full[prompt_len:]
+            yield TokenRow(step_id, trajectory_id, group, parent, step_index, version, reward, provenance or "none",
+                           prompt, response, None if prompt is None else unpack_logprobs(logprobs))
 
 
 class _Sequences:
