@@ -16,11 +16,8 @@ def _ids(rng, low, high):
 
 
 def _step(store, trajectory, group, index, prompt, response, *, logprobs=True, parent=None, **fields):
-    """One white-box step, linked to ``parent`` (its trajectory's last step when not given)."""
+    """One white-box step, linked to ``parent`` (the step it continues)."""
     rng = np.random.default_rng(len(prompt) * 31 + index)
-    if parent is None and index:
-        parent = store.query("SELECT id FROM steps WHERE trajectory_id = ? ORDER BY rowid DESC LIMIT 1",
-                             [trajectory])[0]["id"]
     return store.record_step(StepRecord(
         api="control", trajectory_id=trajectory, group_id=group, step_index=index, parent_step_id=parent,
         messages=[{"role": "user", "content": f"{trajectory} {index}"}], prompt_ids=prompt, response_ids=response,
@@ -28,10 +25,11 @@ def _step(store, trajectory, group, index, prompt, response, *, logprobs=True, p
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
+def built(tmp_path_factory):
     """Groups of multi-turn rollouts: consistent chains, a step that drifts from its parent, a gated-out
     middle step, a branch (two children of one step), a step without ids, one without logprobs, step
-    and trajectory rewards, two policy versions, rollouts recorded turn by turn across the group."""
+    and trajectory rewards, two policy versions, rollouts recorded turn by turn across the group.
+    Returns the store and the step ids by (trajectory, turn)."""
     store = Store(tmp_path_factory.mktemp("rows") / "rows.db")
     rng = np.random.default_rng(7)
     system = _ids(rng, 30, 60)
@@ -45,6 +43,7 @@ def store(tmp_path_factory):
             if trajectory == "t1" and turn == 2:
                 prompt[len(system)] += 1  # re-rendered: does not continue its parent
             ids[trajectory, turn] = _step(store, trajectory, "g", turn, prompt, response,
+                                          parent=ids.get((trajectory, turn - 1)),
                                           logprobs=not (trajectory == "t2" and turn == 1),
                                           policy_version=str(1 + turn // 2),
                                           reward=0.25 if (trajectory == "t3" and turn == 1) else None)
@@ -56,16 +55,20 @@ def store(tmp_path_factory):
                                  messages=[{"role": "user", "content": "no ids"}],
                                  completion={"role": "assistant", "content": "x"}))
     for i in range(3):  # a second group
-        context = list(system)
+        context, parent = list(system), None
         for turn in range(3):
             response = _ids(rng, 5, 20)
-            _step(store, f"h{i}", "h", turn, context, response)
+            parent = _step(store, f"h{i}", "h", turn, context, response, parent=parent)
             context = context + response + _ids(rng, 2, 6)
     store.complete_trajectory("t0", reward=1.0)
     store.complete_trajectory("t3", reward=-1.0)
     store.add_review(ids["t2", 1], "label", "bad", reviewer="test")  # its child continues it: an ancestor left out
-    store.ids = ids
-    return store
+    return store, ids
+
+
+@pytest.fixture(scope="module")
+def store(built):
+    return built[0]
 
 
 def _same_batch(a: Batch, b: Batch):
@@ -119,8 +122,8 @@ def test_trees_and_group_batches_equal_the_exports(store, group, rows):
                                                                                    max_prompt_length=1 << 20))
 
 
-def test_token_rows_keep_provenance_order_and_the_gate(store):
-    ids = store.ids
+def test_token_rows_keep_provenance_order_and_the_gate(built):
+    store, ids = built
     rows = list(store.token_rows())
     exported = list(store.iter_steps(gate=True))
     assert [r.step_id for r in rows] == [e["step_id"] for e in exported]
