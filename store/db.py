@@ -18,6 +18,7 @@ given, as constructor arguments, the connection and the other parts it uses:
 - ``consumption`` (``consumption.Consumption``; state): trainers' claims and acks of groups
 - ``reviewers`` (``reviewers.Reviewers``): the UI's named reviewers and their sign-in tokens
 - ``training`` (``training.Training``): training runs' numbers per policy version
+- ``rows`` (``token_rows.TokenRows``): steps as trainers read them (ids, logprobs, reward, place)
 
 The UI's page queries are ``views``' functions of a ``Store``; the schema is ``migrations``'.
 
@@ -48,6 +49,7 @@ from stepmill.store.runs import Runs
 from stepmill.store.state import State
 from stepmill.store.steps import Steps
 from stepmill.store.token_ids import TokenIds
+from stepmill.store.token_rows import TokenRows
 from stepmill.store.trajectories import Trajectories
 from stepmill.store.training import Training
 
@@ -98,6 +100,7 @@ class Store:
         self.consumption = Consumption(tx, self.state)
         self.reviewers = Reviewers(tx)
         self.training = Training(tx)
+        self.rows = TokenRows(tx)
 
     # -- connection and transactions ------------------------------------------------------------
     close = forward("transactions", Transactions.close)
@@ -155,6 +158,9 @@ class Store:
     continuation = forward("history", History.continuation)
     messages = forward("history", History.messages)
     wire_messages = forward("history", History.wire_messages)
+
+    # -- token rows (what trainers read of steps) ------------------------------------------------
+    token_rows = forward("rows", TokenRows.token_rows)
 
     # -- export ---------------------------------------------------------------------------------
     step = forward("export", Export.step)

@@ -97,7 +97,7 @@ class Export:
         one group's or one run's steps, ``trajectory_ids`` those of some runs (none when empty);
         ``rowids`` a shard of ``step_shards``. ``gate``: only what the curation gate lets through
         (see ``store/curation.py``)."""
-        condition, params = _selection(where, params, gate, group_id, trajectory_id, trajectory_ids, rowids)
+        condition, params = step_selection(where, params, gate, group_id, trajectory_id, trajectory_ids, rowids)
         sql = ("SELECT s.*, t.reward AS trajectory_reward FROM steps s"
                f" LEFT JOIN trajectories t ON t.id = s.trajectory_id{condition} ORDER BY s.started_at, s.rowid")
         for row in user_rows(where, lambda: self.tx.db.query(sql, params)):
@@ -109,7 +109,7 @@ class Export:
         (``iter_steps(..., rowids=shard)`` reads one), so that readers can share a file's steps."""
         if rows < 1:
             raise BadInput("a shard holds at least one step")
-        condition, params = _selection(where, params, gate, None, None, None, None)
+        condition, params = step_selection(where, params, gate, None, None, None, None)
         shards, first, count, last = [], None, 0, None
         for (rowid,) in user_rows(where, lambda: self.tx.db.execute(
                 "SELECT s.rowid FROM steps s LEFT JOIN trajectories t ON t.id = s.trajectory_id"
@@ -124,8 +124,8 @@ class Export:
         return shards
 
 
-def _selection(where: str | None, params: Any, gate: bool, group_id: str | None, trajectory_id: str | None,
-               trajectory_ids: Iterable[str] | None, rowids: tuple[int, int] | None) -> tuple[str, Any]:
+def step_selection(where: str | None, params: Any, gate: bool, group_id: str | None, trajectory_id: str | None,
+                   trajectory_ids: Iterable[str] | None, rowids: tuple[int, int] | None) -> tuple[str, Any]:
     """The WHERE clause (with its leading space, or empty) and parameters of a selection of steps: the
     caller's condition first, then ours, bound by name where the caller's parameters are named."""
     conditions = [f"({where})"] if where else []

@@ -9,14 +9,16 @@
   tokens between turns are context). Where a step does not continue its parent, a new row starts.
 - ``tree_batch``: every sequence of a group packed once (see ``prefix_tree``).
 
-Nothing is dropped silently: steps without ids, overlong rows (dropped or truncated, by an
-explicit policy) and row breaks are counted in each batch's ``report``.
+Steps are read as token rows (``Store.token_rows``): ids rebuilt from the stored deltas, never the
+conversations. Nothing is dropped silently: steps without ids, overlong rows (dropped or truncated,
+by an explicit policy) and row breaks are counted in each batch's ``report``.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -27,6 +29,7 @@ from stepmill.store import Store
 from stepmill.trainer_bridge.prefix_tree import PackedTree, pack_tree
 
 OVERLONG = ("drop", "truncate")
+NO_IDS = "left out: no token ids (run stepmill tokenize)"
 
 
 @dataclass
@@ -55,9 +58,9 @@ class Batch:
 
 
 def _steps(store: Store, where: str | None, params: Any, group_id: str | None = None,
-           trajectory_ids: Iterable[str] | None = None) -> Iterator[dict]:
-    yield from store.iter_steps(where, params, with_tokens=True, gate=True, group_id=group_id,
-                                trajectory_ids=trajectory_ids)
+           trajectory_ids: Iterable[str] | None = None) -> Iterator:
+    """The selected steps' token rows (``store/token_rows.py``), through the curation gate."""
+    return store.token_rows(where, params, gate=True, group_id=group_id, trajectory_ids=trajectory_ids)
 
 
 def step_batches(store: Store, *, where: str | None = None, params: Any = (), group_id: str | None = None,
@@ -69,11 +72,10 @@ def step_batches(store: Store, *, where: str | None = None, params: Any = (), gr
         raise BadInput(f"overlong must be one of {OVERLONG}")
     rows, report = [], Counter()
     for step in _steps(store, where, params, group_id, trajectory_ids):
-        if step["prompt_ids"] is None or step["response_ids"] is None:
-            report["left out: no token ids (run stepmill tokenize)"] += 1
+        if not step.has_ids:
+            report[NO_IDS] += 1
             continue
-        prompt, response = step["prompt_ids"], step["response_ids"]
-        logprobs = step["logprobs"]
+        prompt, response, logprobs = step.prompt_ids, step.response_ids, step.logprobs
         if len(prompt) > max_prompt_length or len(response) > max_response_length:
             if overlong == "drop":
                 report["dropped: overlong"] += 1
@@ -120,14 +122,14 @@ def _step_batch(rows: list, report: Counter, pad_id: int) -> Batch:
         response_mask[i, :len(response)] = 1
         if logprobs is not None:
             log_probs[i, :len(logprobs)] = logprobs
-        if step["reward"] is not None and len(response):
-            scores[i, len(response) - 1] = step["reward"]
-        meta["uid"].append(step["group_id"])
-        meta["trajectory_id"].append(step["trajectory_id"])
-        meta["step_id"].append(step["step_id"])
-        meta["step_index"].append(step["step_index"])
-        meta["parent_step_id"].append(step["parent_step_id"])
-        meta["policy_version"].append(step["policy_version"])
+        if step.reward is not None and len(response):
+            scores[i, len(response) - 1] = step.reward
+        meta["uid"].append(step.group_id)
+        meta["trajectory_id"].append(step.trajectory_id)
+        meta["step_id"].append(step.step_id)
+        meta["step_index"].append(step.step_index)
+        meta["parent_step_id"].append(step.parent_step_id)
+        meta["policy_version"].append(step.policy_version)
     attention_mask = np.concatenate([prompt_mask, response_mask], axis=1)
     position_ids = np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None)
     tensors = {"prompts": prompts, "responses": responses, "input_ids": np.concatenate([prompts, responses], axis=1),
@@ -195,10 +197,10 @@ def trajectory_rows(store: Store, *, where: str | None = None, params: Any = (),
     report: Counter = Counter()
     by_trajectory: dict[str, list] = {}
     for step in _steps(store, where, params, group_id):
-        if step["prompt_ids"] is None or step["response_ids"] is None:
-            report["left out: no token ids (run stepmill tokenize)"] += 1
+        if not step.has_ids:
+            report[NO_IDS] += 1
             continue
-        by_trajectory.setdefault(step["trajectory_id"], []).append(step)
+        by_trajectory.setdefault(step.trajectory_id, []).append(step)
     return chain_rows(by_trajectory, report)
 
 
@@ -212,42 +214,45 @@ def rows_from_step_batch(batch: Batch) -> tuple[list[Row], Counter]:
         prompt = t["prompts"][i][t["attention_mask"][i, :t["prompts"].shape[1]].astype(bool)]
         response_mask = t["response_mask"][i].astype(bool)
         scores = t["token_level_scores"][i]
-        by_trajectory.setdefault(batch.meta["trajectory_id"][i], []).append({
-            "step_id": step_id, "trajectory_id": batch.meta["trajectory_id"][i], "group_id": batch.meta["uid"][i],
-            "step_index": batch.meta["step_index"][i], "parent_step_id": batch.meta["parent_step_id"][i],
-            "prompt_ids": prompt.tolist(), "response_ids": t["responses"][i][response_mask].tolist(),
-            "logprobs": t["rollout_log_probs"][i][response_mask].tolist(),
-            "reward": float(scores.sum()) if response_mask.any() else None})
+        # what chain_rows reads of a token row
+        by_trajectory.setdefault(batch.meta["trajectory_id"][i], []).append(SimpleNamespace(
+            step_id=step_id, group_id=batch.meta["uid"][i], parent_step_id=batch.meta["parent_step_id"][i],
+            step_index=batch.meta["step_index"][i], prompt_ids=prompt, response_ids=t["responses"][i][response_mask],
+            logprobs=t["rollout_log_probs"][i][response_mask],
+            reward=float(scores.sum()) if response_mask.any() else None))
     return chain_rows(by_trajectory, report)
 
 
 def chain_rows(by_trajectory: dict[str, list], report: Counter) -> tuple[list[Row], Counter]:
-    """Each trajectory's steps (with token ids) as rows: a step that continues its parent token-exactly
-    extends the row (what lies between is context), any other starts a new one."""
-    rows = []
+    """Each trajectory's steps (token rows with ids) as rows: a step that continues its parent
+    token-exactly extends the row (what lies between is context), any other starts a new one."""
+    rows, parts = [], []  # parts: each row's loss and logprob pieces, joined once at the end
     for trajectory_id, steps in by_trajectory.items():
-        steps.sort(key=lambda s: (s["step_index"] is None, s["step_index"]))
+        steps.sort(key=lambda s: (s.step_index is None, s.step_index))
         row = None
         for step in steps:
-            prompt = np.asarray(step["prompt_ids"], dtype=np.int64)
-            response = np.asarray(step["response_ids"], dtype=np.int64)
+            prompt = np.asarray(step.prompt_ids, dtype=np.int64)
+            response = np.asarray(step.response_ids, dtype=np.int64)
             n = 0 if row is None else len(row.ids)
-            continues = row is not None and step["parent_step_id"] == row.step_ids[-1] and len(prompt) >= n \
+            continues = row is not None and step.parent_step_id == row.step_ids[-1] and len(prompt) >= n \
                 and np.array_equal(prompt[:n], row.ids)
             if not continues:
                 if row is not None:
                     report["new row: a step does not continue its parent token-exactly"] += 1
-                row = Row(trajectory_id, step["group_id"])
+                row = Row(trajectory_id, step.group_id)
                 rows.append(row)
+                parts.append(([row.loss], [row.logprobs]))
                 n = 0
             context = prompt[n:]  # tool results, user turns, template tokens: context, not trained on
-            logprobs = np.asarray(step["logprobs"] if step["logprobs"] is not None else np.zeros(len(response)),
+            logprobs = np.asarray(step.logprobs if step.logprobs is not None else np.zeros(len(response)),
                                   dtype=np.float32)
-            row.ids = np.concatenate([row.ids, context, response])
-            row.loss = np.concatenate([row.loss, np.zeros(len(context), np.int8), np.ones(len(response), np.int8)])
-            row.logprobs = np.concatenate([row.logprobs, np.zeros(len(context), np.float32), logprobs])
-            row.step_ids.append(step["step_id"])
-            row.reward = step["reward"]
+            row.ids = np.concatenate([prompt, response])  # the row so far: it starts with this prompt
+            parts[-1][0].extend((np.zeros(len(context), np.int8), np.ones(len(response), np.int8)))
+            parts[-1][1].extend((np.zeros(len(context), np.float32), logprobs))
+            row.step_ids.append(step.step_id)
+            row.reward = step.reward
+    for row, (loss, logprobs) in zip(rows, parts):
+        row.loss, row.logprobs = np.concatenate(loss), np.concatenate(logprobs)
     report["rows"] = len(rows)
     return rows, report
 
@@ -289,12 +294,12 @@ def tree_batch(store: Store, group_id: str, *, rows: bool = False) -> tuple[Pack
     else:
         report, sequences, masks, meta = Counter(), [], [], {"step_id": []}
         for step in _steps(store, None, (), group_id):
-            if step["prompt_ids"] is None or step["response_ids"] is None:
-                report["left out: no token ids (run stepmill tokenize)"] += 1
+            if not step.has_ids:
+                report[NO_IDS] += 1
                 continue
-            sequences.append(step["prompt_ids"] + step["response_ids"])
-            masks.append([0] * len(step["prompt_ids"]) + [1] * len(step["response_ids"]))
-            meta["step_id"].append(step["step_id"])
+            sequences.append(step.ids())
+            masks.append(step.loss_mask())
+            meta["step_id"].append(step.step_id)
     tree = pack_tree(sequences, masks)
     report["token_ratio_permille"] = round(tree.token_ratio * 1000)
     tensors = {"input_ids": tree.input_ids, "position_ids": tree.position_ids, "subtree_end": tree.subtree_end,
