@@ -7,10 +7,9 @@ step costs one delta per step.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from typing import Any
-
-import numpy as np
 
 from stepmill.errors import NotFound
 from stepmill.store.encoding import loads
@@ -18,7 +17,8 @@ from stepmill.store.encoding import loads
 
 def _approx_bytes(value: Any) -> int:
     """A cheap size estimate: conversations count their text, id arrays their buffer."""
-    if isinstance(value, np.ndarray):
+    np = sys.modules.get("numpy")  # loaded only once some step carried token ids
+    if np is not None and isinstance(value, np.ndarray):
         return value.nbytes + 100
     if isinstance(value, str):
         return len(value) + 50
@@ -104,6 +104,8 @@ class History:
         if key in self._cache:
             return self._cache[key]
         if kind == "tokens":
+            import numpy as np
+
             prompt, response, _ = self.token_sequences(step_id)
             value = np.concatenate([prompt, response]) if len(prompt) or len(response) else None
         else:

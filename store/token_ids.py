@@ -7,13 +7,14 @@ children stored against the old ones.
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from stepmill.errors import BadInput, NotFound
 from stepmill.store.sequences import pack_ids, pack_logprobs, split_against, unpack_ids, unpack_logprobs
 from stepmill.store.sql_errors import user_condition
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Steps `stepmill tokenize` renders when no condition is given: captured without ids, with an answer.
 UNTOKENIZED = "s.token_provenance = 'none' AND s.completion IS NOT NULL"
@@ -28,6 +29,8 @@ class TokenIds:
                        system_changed: bool = False) -> dict:
         if prompt_ids is None and response_ids is None:
             return {}
+        import numpy as np
+
         prompt = np.asarray(prompt_ids if prompt_ids is not None else [], dtype=np.int64)
         response = np.asarray(response_ids if response_ids is not None else [], dtype=np.int64)
         if logprobs is not None and len(logprobs) != len(response):
@@ -125,6 +128,8 @@ class TokenIds:
 
     def token_sequences(self, step_id: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(prompt_ids, response_ids, logprobs) of one step, rebuilt from the shared prefixes."""
+        import numpy as np
+
         self._forget_changed_tokens()
         full, rows = self._chain("tokens", step_id, "prompt_base_len", "prompt_suffix", "response_ids", "logprobs",
                                  "prompt_len")
