@@ -27,16 +27,20 @@ import os
 import socket
 import sys
 
-from mitmproxy import addonmanager, addons, ctx, exceptions, hooks, master
-from mitmproxy import log as mitmproxy_log
-from mitmproxy.addons import dumper, errorcheck, keepserving, readfile
-from mitmproxy.proxy import events, layer, mode_servers
-from mitmproxy.proxy.layers import modes
-from mitmproxy.proxy.utils import expect
+from stepmill import proxy_onboarding
 
-from stepmill.addon import siblings
-from stepmill.addon.main import StepmillAddon
-from stepmill.proxy_supervisor import LISTENERS_ENV
+proxy_onboarding.defer()  # before mitmproxy's addons: their mitm.it page (Flask) loads when first asked for
+
+from mitmproxy import addonmanager, addons, ctx, exceptions, hooks, master  # noqa: E402
+from mitmproxy import log as mitmproxy_log  # noqa: E402
+from mitmproxy.addons import dumper, errorcheck, keepserving, readfile  # noqa: E402
+from mitmproxy.proxy import events, layer, mode_servers  # noqa: E402
+from mitmproxy.proxy.layers import modes  # noqa: E402
+from mitmproxy.proxy.utils import expect  # noqa: E402
+
+from stepmill.addon import siblings  # noqa: E402
+from stepmill.addon.main import StepmillAddon  # noqa: E402
+from stepmill.proxy_supervisor import LISTENERS_ENV  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ ROOMS = {
     "agents": ("stepmill.agents",),
     "runner": ("stepmill.runner",),
     "simulated_llm": ("stepmill.simulated_llm",),
-    "proxy": ("stepmill.proxy_master", "stepmill.proxy_supervisor"),
+    "proxy": ("stepmill.proxy_master", "stepmill.proxy_supervisor", "stepmill.proxy_onboarding"),
     "train": ("stepmill.train",),
     "demo": ("stepmill.demo",),
     "cli": ("stepmill.cli",),

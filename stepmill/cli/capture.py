@@ -66,7 +66,7 @@ def proxy(port, host, control_port, workers, db, confdir, mitmproxy_args):
     shared = _bind_listeners(modes, workers) if workers > 1 else {}
     click.echo(f"stepmill {__version__}: steps in {db}" + (f", {workers} worker processes" if workers > 1 else ""),
                err=True)
-    for line in _where_agents_go(modes, control_spec, confdir):
+    for line in listening_lines(modes, control_spec, confdir):
         click.echo(line, err=True)
     click.echo(f"mitmproxy CA: {ca}", err=True)
     click.echo(f"trust bundle (system CAs + mitmproxy CA): {bundle}", err=True)
@@ -86,7 +86,7 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _where_agents_go(modes: list[Listener], control_spec: str | None, confdir: str) -> list[str]:
+def listening_lines(modes: list[Listener], control_spec: str | None, confdir: str) -> list[str]:
     """For each mode, where it listens and how an agent uses it: the addresses mitmproxy will bind."""
     lines = []
     for listener in modes:
