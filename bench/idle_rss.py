@@ -1,8 +1,10 @@
-"""What an idle `stepmill proxy` holds in memory, process by process, beside a bare mitmdump.
+"""What an idle `stepmill proxy` holds in memory and spends in CPU, process by process, beside a bare
+mitmdump.
 
 Both are started the same way (same confdir, loopback, a free port), left to settle, and every
 process of each tree is read from /proc (VmRSS: resident memory, shared pages counted in each
-process, as `ps` shows it). The sum over the tree is what the proxy costs a machine idle.
+process, as `ps` shows it; CPU time over ``--cpu-window`` seconds of idling). The sum over the tree
+is what the proxy costs a machine idle; idle CPU is also part of what each call costs at low load.
 
     .venv/bin/python -m bench.idle_rss                 # stepmill proxy --workers 2
     .venv/bin/python -m bench.idle_rss --workers 1 --settle 10
@@ -18,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.proxy_bench import children, stop_all, wait_port
+from bench.proxy_bench import children, cpu, stop_all, wait_port
 from stepmill.children import free_port
 
 
@@ -63,20 +65,21 @@ def wait_settled(pids: list[int], quiet: float, timeout: float = 120.0) -> None:
             last, since = now, time.monotonic()
 
 
-def report(name: str, pid: int) -> float:
-    total = 0.0
+def report(name: str, pid: int, idle_cpu: dict[int, float], window: float) -> float:
+    total, total_cpu = 0.0, 0.0
     print(f"\n{name}:")
     for process, depth in tree(pid):
-        mib = rss_mib(process)
-        total += mib
-        print(f"  {mib:7.1f} MiB  {'  ' * depth}{command_line(process)}")
-    print(f"  {total:7.1f} MiB  total")
+        mib, ms = rss_mib(process), idle_cpu.get(process, 0.0) / window * 1000
+        total, total_cpu = total + mib, total_cpu + ms
+        print(f"  {mib:7.1f} MiB  {ms:6.2f} ms CPU/s  {'  ' * depth}{command_line(process)}")
+    print(f"  {total:7.1f} MiB  {total_cpu:6.2f} ms CPU/s  total")
     return total
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--cpu-window", type=float, default=10.0, help="seconds of idling whose CPU time is counted")
     parser.add_argument("--settle", type=float, default=3.0,
                         help="seconds every tree's memory must stay within 1 MiB before it is read")
     args = parser.parse_args()
@@ -96,7 +99,12 @@ def main() -> None:
             processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             wait_port(ports[name])
         wait_settled([proc.pid for proc in processes], args.settle)
-        totals = {name: report(" ".join(shlex.quote(a) for a in commands[name][:4]) + " …", proc.pid)
+        every = [process for proc in processes for process, _ in tree(proc.pid)]
+        before = {process: cpu(process) for process in every}
+        time.sleep(args.cpu_window)
+        idle_cpu = {process: cpu(process) - before[process] for process in every}
+        totals = {name: report(" ".join(shlex.quote(a) for a in commands[name][:4]) + " …", proc.pid, idle_cpu,
+                               args.cpu_window)
                   for name, proc in zip(commands, processes)}
         print(f"\nstepmill proxy --workers {args.workers}: {totals['stepmill']:.0f} MiB, "
               f"{totals['stepmill'] / totals['mitmdump']:.1f}x bare mitmdump's {totals['mitmdump']:.0f} MiB")

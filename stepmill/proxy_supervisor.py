@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import socket
@@ -100,15 +101,33 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     process.send_signal(signum)
 
+    def _wait(self, wakeup: int) -> None:
+        """Until a worker exits or a signal comes (its number is written to ``wakeup``'s pipe): the
+        supervisor takes no CPU while its workers serve. Without pidfds (Linux < 5.3), a look every 0.2 s."""
+        try:
+            exits = [os.pidfd_open(p.pid) for p in self.processes.values() if p.returncode is None]
+        except (AttributeError, OSError):
+            time.sleep(0.2)
+            return
+        try:
+            ready, _, _ = select.select([wakeup, *exits], [], [])
+            if wakeup in ready:
+                os.read(wakeup, 512)
+        finally:
+            for fd in exits:
+                os.close(fd)
+
     def run(self) -> int:
         status = 0
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: self._stop_all())
+        wakeup, wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wakeup_w, warn_on_full_buffer=False)
         try:
             for worker in range(self.count):
                 self._start(worker)
             while not self.stopping:
-                time.sleep(0.2)
+                self._wait(wakeup)
                 for worker, process in list(self.processes.items()):
                     code = process.poll()
                     if code is None or self.stopping:
@@ -139,6 +158,9 @@ class Supervisor:
         finally:
             self._stop_all(signal.SIGKILL)
             shutil.rmtree(self.folder, ignore_errors=True)
+            signal.set_wakeup_fd(-1)
+            os.close(wakeup)
+            os.close(wakeup_w)
 
 
 def supervise(arguments: list[str], count: int, listeners: dict[str, socket.socket]) -> int:
