@@ -35,7 +35,7 @@ def test_every_mode_says_where_it_listens_and_how_agents_use_it():
     assert lines_for("--mode", "regular@10.1.2.3:9003")[1] == 'agents: eval "$(stepmill env --host 10.1.2.3 --port 9003)"'
     assert lines_for("--mode", "socks5@9004") == ["socks5 mode (socks5@9004) on 127.0.0.1:9004"]
     control = "reverse:http://stepmill.local@9005"
-    assert lines_for("--mode", "regular@9000", "--mode", control, control=control)[-1] == \
+    assert lines_for("--mode", control, "--mode", "regular@9000", control=control)[-1] == \
         "control API on http://127.0.0.1:9005"
 
 

@@ -88,8 +88,10 @@ def _url_host(host: str) -> str:
 
 def listening_lines(modes: list[Listener], control_spec: str | None, confdir: str) -> list[str]:
     """For each mode, where it listens and how an agent uses it: the addresses mitmproxy will bind."""
+    from stepmill.runner.proxy_env import DEFAULT_CONFDIR
+
     lines = []
-    for listener in modes:
+    for listener in sorted(modes, key=lambda listener: listener.spec == control_spec):  # the control API last
         kind, at = listener.mode.type_name, _url_host(listener.host)
         where = f"http://{at}:{listener.port}" if listener.port is not None else "no port"
         if listener.host in ("", "0.0.0.0", "::"):
@@ -100,7 +102,7 @@ def listening_lines(modes: list[Listener], control_spec: str | None, confdir: st
             through = f" to the upstream proxy {listener.mode.data}" if kind == "upstream" else ""
             lines.append(f"proxy{through} on {where}")
             options = ("" if at == "127.0.0.1" else f" --host {at.strip('[]')}") + f" --port {listener.port}"
-            if confdir != "~/.mitmproxy":
+            if confdir != DEFAULT_CONFDIR:
                 options += f" --confdir {shlex.quote(confdir)}"
             lines.append(f'agents: eval "$(stepmill env{options})"')
         elif kind == "reverse":
@@ -108,7 +110,7 @@ def listening_lines(modes: list[Listener], control_spec: str | None, confdir: st
             lines.append(f"agents: OPENAI_BASE_URL=http://{at}:{listener.port}/v1 (tagged: "
                          f"http://{at}:{listener.port}/t/<trajectory>/g/<group>/v1)")
         else:
-            lines.append(f"{kind} mode ({listener.spec}) on {at}:{listener.port}")
+            lines.append(f"{kind} mode ({listener.spec})" + (f" on {at}:{listener.port}" if listener.port else ""))
     return lines
 
 
