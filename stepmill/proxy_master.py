@@ -11,9 +11,9 @@ every log record, debug ones included, into a deprecated ``add_log`` event (form
 scheduled on the loop through a wake-up pipe); here that happens only while an addon handles it.
 The stepmill addon is part of the chain (after the user's scripts), not a script.
 
-``supervise`` runs N such masters as worker processes (``stepmill proxy --workers N``), each accepting
-on the same listening sockets (bound once by the supervisor and inherited: nobody else can join the
-port) with its own journal and writer; the workers talk over a private channel
+``stepmill.proxy_supervisor`` runs N such masters as worker processes (``stepmill proxy --workers N``),
+each accepting on the same listening sockets (bound once by the supervisor and inherited: nobody else
+can join the port) with its own journal and writer; the workers talk over a private channel
 (``stepmill.addon.siblings``).
 """
 
@@ -24,24 +24,23 @@ import contextlib
 import inspect
 import logging
 import os
-import shutil
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import time
 
-from mitmproxy import addonmanager, addons, ctx, exceptions, hooks, master
-from mitmproxy import log as mitmproxy_log
-from mitmproxy.addons import dumper, errorcheck, keepserving, readfile
-from mitmproxy.proxy import events, layer, mode_servers
-from mitmproxy.proxy.layers import modes
-from mitmproxy.proxy.utils import expect
+from stepmill import proxy_onboarding
 
-from stepmill.addon import siblings
-from stepmill.addon.main import StepmillAddon
-from stepmill.children import die_with_parent
+proxy_onboarding.defer()  # before mitmproxy's addons: their mitm.it page (Flask) loads when first asked for
+
+from mitmproxy import addonmanager, addons, ctx, exceptions, hooks, master  # noqa: E402
+from mitmproxy import log as mitmproxy_log  # noqa: E402
+from mitmproxy.addons import dumper, errorcheck, keepserving, readfile  # noqa: E402
+from mitmproxy.proxy import events, layer, mode_servers  # noqa: E402
+from mitmproxy.proxy.layers import modes  # noqa: E402
+from mitmproxy.proxy.utils import expect  # noqa: E402
+
+from stepmill.addon import siblings  # noqa: E402
+from stepmill.addon.main import StepmillAddon  # noqa: E402
+from stepmill.proxy_supervisor import LISTENERS_ENV  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +126,23 @@ class LeanLogEvents(mitmproxy_log.LegacyLogEvents):
             super().emit(record)
 
 
+class PerFlowLines(logging.Filter):
+    """Keeps mitmproxy's connection-by-connection information lines (client and server connects,
+    "Streaming response from …": one or more per call, thousands a minute under load) off the console
+    while ``flow_detail`` is 0, as it is by default under ``stepmill proxy``; their warnings and errors,
+    and every other logger's lines (stepmill's own, mitmproxy's start-up), still show."""
+
+    PER_CONNECTION = "mitmproxy.proxy.server"  # the logger of every layer's per-connection lines
+
+    def __init__(self, options):
+        super().__init__()
+        self.options = options
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno >= logging.WARNING or record.name != self.PER_CONNECTION
+                or getattr(self.options, "flow_detail", 0) > 0)  # the option exists once the dumper loaded
+
+
 class ControlListener(modes.ReverseProxy):
     """The top layer of the ``--control-port`` listener (a reverse mode to http://stepmill.local).
 
@@ -163,6 +179,7 @@ class StepmillMaster(master.Master):
             from mitmproxy.addons import termlog
 
             self._termlog_addon = termlog.TermLog()
+            self._termlog_addon.logger.addFilter(PerFlowLines(opts))
             self.addons.add(self._termlog_addon)
         self.addons.add(*addons.default_addons())
         self.addons.add(dumper.Dumper(), keepserving.KeepServing(), readfile.ReadFileStdin(),
@@ -183,28 +200,6 @@ def run(arguments: list[str]) -> None:
 
 # -- one of several workers ---------------------------------------------------------------------------
 _listen = mode_servers.AsyncioServerInstance.listen
-
-
-LISTENERS_ENV = "STEPMILL_LISTENERS"  # "host:port=fd,…": the listening sockets a worker inherits
-
-
-def bind_listener(host: str, port: int) -> socket.socket:
-    """A listening TCP socket the supervisor holds and every worker accepts on. It is bound without
-    SO_REUSEPORT: no other process (an agent of the same user included) can join the port and take a
-    share of its connections, and a second proxy on the same port fails instead of joining."""
-    family = socket.AF_INET6 if ":" in host or not host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT, as asyncio does
-        if not host:  # as mitmproxy: every address, both stacks
-            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        listener.bind((host or "::", port))
-        listener.listen(socket.SOMAXCONN)
-    except OSError:
-        listener.close()
-        raise
-    listener.set_inheritable(True)
-    return listener
 
 
 def _inherited() -> dict[str, int]:
@@ -234,110 +229,6 @@ def run_worker(arguments: list[str]) -> None:
     """A worker of ``supervise`` (``python -m stepmill.proxy_master``): the master, its listeners shared."""
     mode_servers.AsyncioServerInstance.listen = _listen_shared
     run(arguments)
-
-
-MAX_WORKERS = 8  # the default's cap: one SQLite file takes every worker's commits, one writer at a time
-STOP_WAIT = 30.0  # seconds workers have to drain their writers after SIGTERM, then they are killed
-RESTARTS = 5  # restarts within RESTART_WINDOW seconds at most; past it the proxy stops
-RESTART_WINDOW = 60.0
-
-
-def default_workers() -> int:
-    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-                      MAX_WORKERS))
-
-
-def _die_with_parent() -> None:
-    """In a worker, before exec: killed (as a kill -9 of the one proxy process would be) if the supervisor dies."""
-    die_with_parent(signal.SIGKILL)
-
-
-class Supervisor:
-    """Starts the workers, restarts one that dies, stops them all on SIGINT/SIGTERM.
-
-    A worker that dies after it started serving (killed, out of memory) is started again: the new one
-    replays the journal its predecessor left, so its finished calls are kept, and the others serve
-    meanwhile. One that dies before it served (a bad option, a port taken) stops the proxy, with its
-    exit status: starting it again would fail the same way. So do too many restarts in a row."""
-
-    def __init__(self, arguments: list[str], count: int, listeners: dict[str, socket.socket]):
-        self.arguments = arguments
-        self.count = count
-        self.listeners = listeners  # "host:port" -> the socket every worker accepts on (held here, for restarts)
-        self.folder = tempfile.mkdtemp(prefix="stepmill-workers-")  # 0700: the private channel's sockets
-        self.processes: dict[int, subprocess.Popen] = {}
-        self.started: dict[int, float] = {}
-        self.restarts: list[float] = []
-        self.stopping = False
-
-    def _start(self, worker: int) -> None:
-        env = {**os.environ, siblings.ENV_DIR: self.folder, siblings.ENV_ID: str(worker),
-               siblings.ENV_COUNT: str(self.count),
-               LISTENERS_ENV: ",".join(f"{key}={s.fileno()}" for key, s in self.listeners.items())}
-        self.started[worker] = time.time()
-        self.processes[worker] = subprocess.Popen([sys.executable, "-m", "stepmill.proxy_master", *self.arguments],
-                                                  env=env, process_group=0, preexec_fn=_die_with_parent,
-                                                  pass_fds=[s.fileno() for s in self.listeners.values()])
-
-    def _served(self, worker: int) -> bool:
-        """Whether the worker got as far as its private channel (made after its listeners)."""
-        try:
-            return siblings.socket_path(self.folder, worker).stat().st_mtime >= self.started[worker] - 1
-        except OSError:
-            return False
-
-    def _stop_all(self, signum: int = signal.SIGTERM) -> None:
-        self.stopping = True
-        for process in self.processes.values():
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    process.send_signal(signum)
-
-    def run(self) -> int:
-        status = 0
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: self._stop_all())
-        try:
-            for worker in range(self.count):
-                self._start(worker)
-            while not self.stopping:
-                time.sleep(0.2)
-                for worker, process in list(self.processes.items()):
-                    code = process.poll()
-                    if code is None or self.stopping:
-                        continue
-                    now = time.time()
-                    self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW]
-                    if not self._served(worker) or len(self.restarts) >= RESTARTS:
-                        why = "before it served" if not self._served(worker) else f"{RESTARTS} restarts in a row"
-                        print(f"stepmill: worker {worker} exited with {code} {why}; stopping the proxy",
-                              file=sys.stderr, flush=True)
-                        status = code or 1
-                        self._stop_all()
-                        break
-                    print(f"stepmill: worker {worker} (pid {process.pid}) exited with {code}; starting it again",
-                          file=sys.stderr, flush=True)
-                    self.restarts.append(now)
-                    self._start(worker)
-            deadline = time.monotonic() + STOP_WAIT
-            for process in self.processes.values():
-                try:
-                    code = process.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    code = process.wait()
-                if code and code != -signal.SIGTERM and not status:
-                    status = code if code > 0 else 1
-            return status
-        finally:
-            self._stop_all(signal.SIGKILL)
-            shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def supervise(arguments: list[str], count: int, listeners: dict[str, socket.socket]) -> int:
-    """``count`` workers running mitmdump's command line ``arguments``, accepting on ``listeners``
-    ("host:port" -> a socket from ``bind_listener``); the exit status of the proxy."""
-    return Supervisor(arguments, count, listeners).run()
 
 
 if __name__ == "__main__":

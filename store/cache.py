@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from typing import Any
-
-import numpy as np
 
 
 def _approx_bytes(value: Any) -> int:
     """A cheap size estimate: conversations count their text, id arrays their buffer."""
-    if isinstance(value, np.ndarray):
+    np = sys.modules.get("numpy")  # loaded only once some step carried token ids
+    if np is not None and isinstance(value, np.ndarray):
         return value.nbytes + 100
     if isinstance(value, str):
         return len(value) + 50

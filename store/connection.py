@@ -13,8 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-import sqlite_utils
-
+from stepmill.store.sqlite_library import sqlite_utils  # without pandas: see there
 from stepmill.errors import BadInput, StoreUnavailable
 from stepmill.private_files import private_opener
 from stepmill.store.cache import LRU

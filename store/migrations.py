@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 from typing import Callable
 
-import sqlite_utils
+from stepmill.store.sqlite_library import sqlite_utils
 
 
 def _m001_capture(db: sqlite_utils.Database) -> None:

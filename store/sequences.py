@@ -8,18 +8,22 @@ once per step.
 
 from __future__ import annotations
 
-from typing import Sequence
+import sys
+from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
-ID_DTYPE = np.dtype("<i4")
-LOGPROB_DTYPE = np.dtype("<f4")
+# numpy is imported where ids are packed: the proxy's writer loads it only once a call carries ids.
+ID_DTYPE = "<i4"
+LOGPROB_DTYPE = "<f4"
 
 
 def common_prefix_len(a: Sequence, b: Sequence) -> int:
     """Length of the longest common prefix of two sequences (element equality)."""
     n = min(len(a), len(b))
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+    np = sys.modules.get("numpy")  # without it loaded, neither is an array
+    if np is not None and isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
         diff = np.nonzero(a[:n] != b[:n])[0]
         return int(diff[0]) if len(diff) else n
     for i in range(n):
@@ -37,24 +41,32 @@ def split_against(seq: Sequence, base: Sequence | None) -> tuple[int, Sequence]:
 
 
 def pack_ids(ids: Sequence[int] | np.ndarray | None) -> bytes | None:
+    import numpy as np
+
     if ids is None:
         return None
     return np.asarray(ids, dtype=ID_DTYPE).tobytes()
 
 
 def unpack_ids(blob: bytes | None) -> np.ndarray:
+    import numpy as np
+
     if not blob:
         return np.zeros(0, dtype=ID_DTYPE)
     return np.frombuffer(blob, dtype=ID_DTYPE)
 
 
 def pack_logprobs(values: Sequence[float] | None) -> bytes | None:
+    import numpy as np
+
     if values is None:
         return None
     return np.asarray(values, dtype=LOGPROB_DTYPE).tobytes()
 
 
 def unpack_logprobs(blob: bytes | None) -> np.ndarray | None:
+    import numpy as np
+
     if blob is None:
         return None
     return np.frombuffer(blob, dtype=LOGPROB_DTYPE)

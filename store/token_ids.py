@@ -7,15 +7,16 @@ children stored against the old ones.
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from stepmill.errors import BadInput, NotFound
 from stepmill.store.connection import Transactions
 from stepmill.store.history import History
 from stepmill.store.sequences import pack_ids, pack_logprobs, split_against, unpack_ids, unpack_logprobs
 from stepmill.store.sql_errors import user_condition
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # Steps `stepmill tokenize` renders when no condition is given: captured without ids, with an answer.
 UNTOKENIZED = "s.token_provenance = 'none' AND s.completion IS NOT NULL"
@@ -35,6 +36,8 @@ class TokenIds:
                        system_changed: bool = False) -> dict:
         if prompt_ids is None and response_ids is None:
             return {}
+        import numpy as np
+
         prompt = np.asarray(prompt_ids if prompt_ids is not None else [], dtype=np.int64)
         response = np.asarray(response_ids if response_ids is not None else [], dtype=np.int64)
         if logprobs is not None and len(logprobs) != len(response):
@@ -138,6 +141,8 @@ class TokenIds:
         key = ("tokens", step_id)
         if key in self.tx.cache:
             return self.tx.cache[key]
+        import numpy as np
+
         prompt, response, _ = self.token_sequences(step_id)
         value = np.concatenate([prompt, response]) if len(prompt) or len(response) else None
         self.tx.cache.put(key, value)
@@ -145,6 +150,8 @@ class TokenIds:
 
     def token_sequences(self, step_id: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(prompt_ids, response_ids, logprobs) of one step, rebuilt from the shared prefixes."""
+        import numpy as np
+
         self._forget_changed_tokens()
         full, rows = self.history.chain("tokens", step_id, "prompt_base_len", "prompt_suffix", "response_ids",
                                         "logprobs", "prompt_len")

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from stepmill.store.export import step_selection
 from stepmill.store.sequences import ID_DTYPE, unpack_ids, unpack_logprobs
 from stepmill.store.sql_errors import user_condition
+
+if TYPE_CHECKING:  # numpy loads where ids are read: the proxy's writer never needs it for this
+    import numpy as np
 
 # One statement, so one snapshot of the file: the selected steps in capture order, after the steps they
 # continue that the selection left out (gated out, another --where) and those these continue in turn.
@@ -44,7 +45,6 @@ _TOKEN_ROWS = """
     UNION ALL
     SELECT 1, * FROM selected
     ORDER BY 1, 15, 16"""
-_NO_IDS = np.zeros(0, ID_DTYPE)
 
 
 @dataclass(slots=True)
@@ -71,10 +71,14 @@ class TokenRow:
 
     def ids(self) -> np.ndarray:
         """Prompt then response: the sequence the policy saw and sampled."""
+        import numpy as np
+
         return np.concatenate([self.prompt_ids, self.response_ids])
 
     def loss_mask(self) -> np.ndarray:
         """0 on the prompt, 1 on every sampled (response) id."""
+        import numpy as np
+
         return np.repeat(np.array([0, 1], dtype=np.int8), [len(self.prompt_ids), len(self.response_ids)])
 
 
@@ -127,6 +131,8 @@ class _Sequences:
         return full
 
     def _build(self, step_id: str) -> np.ndarray:
+        import numpy as np
+
         path = [step_id]  # up to a step that continues nothing, or one whose parent is kept
         while True:
             parent, _, base_len, _, _ = self.deltas[path[-1]]
@@ -135,7 +141,7 @@ class _Sequences:
             path.append(parent)
         for node in reversed(path):
             parent, _, base_len, suffix, response = self.deltas[node]
-            base = self.take(parent)[:base_len] if base_len else _NO_IDS
+            base = self.take(parent)[:base_len] if base_len else np.zeros(0, ID_DTYPE)
             full = np.concatenate([base, unpack_ids(suffix), unpack_ids(response)])
             full.flags.writeable = False
             if self.waiting[node] > 0:

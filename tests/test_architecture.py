@@ -32,7 +32,7 @@ ROOMS = {
     "runner": ("stepmill.runner",),
     "fleet": ("stepmill.fleet",),
     "simulated_llm": ("stepmill.simulated_llm",),
-    "proxy": ("stepmill.proxy_master",),
+    "proxy": ("stepmill.proxy_master", "stepmill.proxy_supervisor", "stepmill.proxy_onboarding"),
     "train": ("stepmill.train",),
     "demo": ("stepmill.demo",),
     "cli": ("stepmill.cli",),

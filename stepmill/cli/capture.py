@@ -10,7 +10,7 @@ import click
 
 from stepmill import __version__
 from stepmill.cli.options import address_options, confdir_option, db_option
-from stepmill.cli.proxy_args import take_own_options
+from stepmill.cli.proxy_args import Listener, listeners, take_own_options
 from stepmill.cli.stores import open_writer
 
 
@@ -36,7 +36,7 @@ def proxy(port, host, control_port, workers, db, confdir, mitmproxy_args):
     """
     from stepmill.auth.write_token import ENV, ensure_token, token_path
     from stepmill.protocols import registry
-    from stepmill.proxy_master import default_workers, run, supervise
+    from stepmill.proxy_supervisor import default_workers, supervise
     from stepmill.runner.proxy_env import ensure_bundle, ensure_ca
 
     registry.load()  # a broken protocol plugin stops the proxy here, with its entry point named
@@ -53,52 +53,84 @@ def proxy(port, host, control_port, workers, db, confdir, mitmproxy_args):
             "--listen-host", host, "--listen-port", str(port)]
     if not any(a == "--mode" or a.startswith("--mode=") or a == "-m" for a in extra):
         args += ["--mode", f"regular@{port}"]
-    if control_port:
-        args += ["--mode", f"reverse:http://stepmill.local@{control_port}"]
+    control_spec = f"reverse:http://stepmill.local@{control_port}" if control_port else None
+    if control_spec:
+        args += ["--mode", control_spec]
     if not any("flow_detail" in a for a in extra):
         args += ["--set", "flow_detail=0"]  # no line per flow on the console (pass --set flow_detail=1 for it)
     # The addon comes after the user's scripts (it is part of the master's chain): it sees, and
     # records, requests as they go upstream.
     args = args + extra
     workers = workers or default_workers()
-    listeners = _bind_listeners(args, host, port, workers) if workers > 1 else {}
-    click.echo(f"stepmill {__version__}: proxy on http://{host}:{port}, steps in {db}"
-               + (f", {workers} worker processes" if workers > 1 else ""), err=True)
+    modes = listeners(args, host, port)
+    shared = _bind_listeners(modes, workers) if workers > 1 else {}
+    click.echo(f"stepmill {__version__}: steps in {db}" + (f", {workers} worker processes" if workers > 1 else ""),
+               err=True)
+    for line in listening_lines(modes, control_spec, confdir):
+        click.echo(line, err=True)
     click.echo(f"mitmproxy CA: {ca}", err=True)
     click.echo(f"trust bundle (system CAs + mitmproxy CA): {bundle}", err=True)
     click.echo(f"write token for the control API: {'$' + ENV if os.environ.get(ENV) else token_path(confdir)}"
                " (never give it to agents)", err=True)
-    click.echo(f'agents: eval "$(stepmill env --port {port})"', err=True)
     if workers > 1:
-        sys.exit(supervise(args, workers, listeners))
+        sys.exit(supervise(args, workers, shared))
+    from stepmill.proxy_master import run  # here only: the supervisor above serves nothing, and stays small
+
     sys.exit(run(args) or 0)
 
 
-def _bind_listeners(args: list[str], host: str, port: int, workers: int) -> dict:
+def _url_host(host: str) -> str:
+    """A listening host as a client reaches it: every address is reachable on loopback."""
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def listening_lines(modes: list[Listener], control_spec: str | None, confdir: str) -> list[str]:
+    """For each mode, where it listens and how an agent uses it: the addresses mitmproxy will bind."""
+    from stepmill.runner.proxy_env import DEFAULT_CONFDIR
+
+    lines = []
+    for listener in sorted(modes, key=lambda listener: listener.spec == control_spec):  # the control API last
+        kind, at = listener.mode.type_name, _url_host(listener.host)
+        where = f"http://{at}:{listener.port}" if listener.port is not None else "no port"
+        if listener.host in ("", "0.0.0.0", "::"):
+            where += " (every address)"
+        if listener.spec == control_spec:
+            lines.append(f"control API on {where}")
+        elif kind in ("regular", "upstream"):
+            through = f" to the upstream proxy {listener.mode.data}" if kind == "upstream" else ""
+            lines.append(f"proxy{through} on {where}")
+            options = ("" if at == "127.0.0.1" else f" --host {at.strip('[]')}") + f" --port {listener.port}"
+            if confdir != DEFAULT_CONFDIR:
+                options += f" --confdir {shlex.quote(confdir)}"
+            lines.append(f'agents: eval "$(stepmill env{options})"')
+        elif kind == "reverse":
+            lines.append(f"reverse proxy to {listener.mode.data} on {where}")
+            lines.append(f"agents: OPENAI_BASE_URL=http://{at}:{listener.port}/v1 (tagged: "
+                         f"http://{at}:{listener.port}/t/<trajectory>/g/<group>/v1)")
+        else:
+            lines.append(f"{kind} mode ({listener.spec})" + (f" on {at}:{listener.port}" if listener.port else ""))
+    return lines
+
+
+def _bind_listeners(modes: list[Listener], workers: int) -> dict:
     """The TCP listeners the workers share, bound here (once, held by the supervisor): each mode must
     have a fixed TCP port, and a port already taken fails now, before any worker starts."""
-    from mitmproxy.proxy import mode_specs
+    from stepmill.proxy_supervisor import bind_listener
 
-    from stepmill.proxy_master import bind_listener
-
-    specs = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--mode", "-m")]
-    specs += [a.partition("=")[2] for a in args if a.startswith("--mode=")]
-    listeners = {}
-    for spec in specs:
+    shared = {}
+    for listener in modes:
+        if listener.mode.transport_protocol not in ("tcp", "both"):  # both: its UDP side (HTTP/3) in the first worker
+            raise click.UsageError(f"--workers {workers}: mode {listener.spec!r} is not TCP; run it with --workers 1")
+        if not listener.port:
+            raise click.UsageError(f"--workers {workers} needs a fixed port for mode {listener.spec!r}, not 0")
         try:
-            mode = mode_specs.ProxyMode.parse(spec)
-        except ValueError:
-            continue  # mitmproxy says what is wrong with it
-        if mode.transport_protocol not in ("tcp", "both"):  # both: its UDP side (HTTP/3) in the first worker
-            raise click.UsageError(f"--workers {workers}: mode {spec!r} is not TCP; run it with --workers 1")
-        listen_host, listen_port = mode.listen_host(host), mode.listen_port(port)
-        if not listen_port:
-            raise click.UsageError(f"--workers {workers} needs a fixed port for mode {spec!r}, not 0")
-        try:
-            listeners[f"{listen_host}:{listen_port}"] = bind_listener(listen_host, listen_port)
+            shared[f"{listener.host}:{listener.port}"] = bind_listener(listener.host, listener.port)
         except OSError as exc:
-            raise click.UsageError(f"port {listen_port} is taken ({exc}): is a proxy already running there?") from None
-    return listeners
+            raise click.UsageError(f"port {listener.port} is taken ({exc}): is a proxy already running there?") \
+                from None
+    return shared
 
 
 @click.command()

@@ -20,10 +20,12 @@ def confdir_path(confdir: str | None) -> Path:
 
 def ensure_ca(confdir: str | None = None) -> Path:
     """The mitmproxy CA certificate, created on first use."""
-    from mitmproxy.certs import CertStore
-
     path = confdir_path(confdir)
-    CertStore.from_store(path, "mitmproxy", 2048)
+    if not (path / "mitmproxy-ca.pem").exists() or not (path / "mitmproxy-ca-cert.pem").exists():
+        # Only then: mitmproxy's certificate code is ~10 MiB in a process (the proxy's supervisor) that needs no more.
+        from mitmproxy.certs import CertStore
+
+        CertStore.from_store(path, "mitmproxy", 2048)
     return path / "mitmproxy-ca-cert.pem"
 
 
