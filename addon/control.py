@@ -57,7 +57,7 @@ class ControlEndpoint:
         self.siblings = Siblings.from_env(token)
         self._add_run = state.on_loop(state.runs.add)
         self.api = ControlAPI(state.pipeline.store, self.endpoints, token=token, status=self._status,
-                              on_policy_version=state.on_loop(state.set_policy_version), on_run=self._on_run)
+                              on_run=self._on_run)
         if self.siblings is not None:
             self._serving = asyncio.get_running_loop().create_task(self.siblings.serve(
                 {"barrier": self._sibling_barrier, "run": self._sibling_run, "status": self._sibling_status}))
@@ -185,15 +185,17 @@ class ControlEndpoint:
         return {"worker": self.siblings.id if self.siblings else 0, "pid": os.getpid(),
                 "calls": pipeline.submitted if pipeline is not None else 0,
                 "journaled": pipeline.handoff.appended if pipeline is not None else 0,
-                "in_flight": self.state.in_flight(None)}
+                "in_flight": self.state.in_flight_total()}
 
     async def _local_barrier(self, trajectory_id: str | None, deadline: float) -> dict:
         """Waits until no call of ``trajectory_id`` (any call, for None) is in flight, every call handed
         off is in the journal, and the writer committed the journal up to where it then ended."""
         started = time.monotonic()
-        while self.state.in_flight(trajectory_id) > 0 and time.monotonic() < deadline:
+        state = self.state
+        in_flight = state.in_flight_total if trajectory_id is None else lambda: state.in_flight_of(trajectory_id)
+        while in_flight() > 0 and time.monotonic() < deadline:
             await asyncio.sleep(BARRIER_POLL)
-        pipeline = self.state.pipeline
+        pipeline = state.pipeline
         committed = pipeline is not None and await pipeline.flushed(deadline, self.thread)
         return {"committed": committed, "waited_ms": round((time.monotonic() - started) * 1000, 1),
-                **({} if committed else {"in_flight": self.state.in_flight(trajectory_id)})}
+                **({} if committed else {"in_flight": in_flight()})}

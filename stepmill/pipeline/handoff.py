@@ -19,7 +19,7 @@ import threading
 import time
 
 from stepmill.protocols.streams import decode_kept
-from stepmill.pipeline.call_record import CallRecord
+from stepmill.pipeline.call_record import Call, CallRecord
 from stepmill.pipeline.journal import Journal
 from stepmill.pipeline.redaction import redact_bytes, redact_text
 
@@ -28,6 +28,7 @@ log = logging.getLogger("stepmill")
 BATCH_WAIT = 0.1  # seconds a woken writer waits for more calls: the handoff wakes it at most this often
 RETRY_WAIT = 0.5  # after the journal refused an append
 MEMORY_LIMIT = 256 * 1024 * 1024  # calls waiting for the journal (a full disk) at most, in bytes
+CLEAN_FAILED = "stepmill could not clean this call for recording"
 
 
 def redact_record(record: CallRecord) -> CallRecord:
@@ -50,10 +51,11 @@ class Handoff:
         self.notify = notify  # called after appends: wakes the writer
         self.memory_limit = memory_limit
         self.queue: collections.deque = collections.deque()
-        self.memory = 0  # bytes waiting: added on the loop, taken off on the handoff thread, under _bound
-        self._bound = threading.Lock()
-        self.dropped = 0
+        self._bound = threading.Lock()  # held for every read and write of memory and dropped
+        self.memory = 0  # bytes waiting: added on the loop, taken off on the handoff thread
+        self.dropped = 0  # calls not kept: the journal refused appends and memory was full
         self.appended = 0
+        self.not_cleaned = 0  # calls journaled without their bodies: cleaning them failed
         self.failing: str | None = None  # why the journal does not take appends now
         self.delays: collections.deque = collections.deque(maxlen=1000)  # call end → in the journal, seconds
         self._notified = 0.0
@@ -68,13 +70,15 @@ class Handoff:
         size = sum(min(len(b), limit) if limit else len(b) for b in blobs)
         with self._bound:
             over = self.memory + size > self.memory_limit
-            if not over:
+            if over:  # the journal has refused appends for long: memory is the last bound
+                self.dropped += 1
+                dropped, waiting = self.dropped, self.memory
+            else:
                 self.memory += size
-        if over:  # the journal has refused appends for long: memory is the last bound
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 100 == 0:
-                log.error(f"stepmill: {self.dropped} call(s) dropped: the journal takes no appends "
-                          f"({self.failing}) and {self.memory} bytes wait in memory already")
+        if over:
+            if dropped == 1 or dropped % 100 == 0:  # a full disk drops many: the first, then every 100th
+                log.error(f"stepmill: dropped a call to {record.call.host}{record.call.path} ({dropped} so far): "
+                          f"the journal takes no appends ({self.failing}) and {waiting} bytes wait in memory already")
             return
         self.queue.append((record, blobs, size))
         self._wake.set()
@@ -97,8 +101,7 @@ class Handoff:
             # Secrets never reach the disk, the journal included (a few ms per MB, off the loop).
             data = []
             for record, blobs, _ in batch:
-                cleaned, kept = self.clean_or_keep(record, blobs)
-                data += cleaned.entry_parts(kept)
+                data += self._entry(record, blobs)
             try:
                 self.journal.append(data)  # one write() for the batch
             except OSError as exc:
@@ -123,17 +126,32 @@ class Handoff:
                 self.notify()
         return self._stop and not self.queue
 
-    @classmethod
-    def clean_or_keep(cls, record: CallRecord, blobs: list) -> tuple[CallRecord, list[bytes]]:
-        """``clean``; should it fail, the call is kept all the same, without its bodies (nothing
-        unredacted reaches the disk), and its record says why: the writer stores it as an error step."""
+    def _entry(self, record: CallRecord, blobs: list) -> list:
+        """The journal entry of one call, cleaned; never raises (one call cannot hold up the ones after it)."""
+        cleaned, kept = self.clean_or_keep(record, blobs)
         try:
-            return cls.clean(record, blobs)
+            return cleaned.entry_parts(kept)
+        except Exception as exc:  # a header that is no JSON: the call is kept by who made it and why
+            log.exception(f"stepmill: could not journal a call to {record.call.host}{record.call.path}; kept bare")
+            self.not_cleaned += 1
+            call = record.call
+            bare = CallRecord(kind="failure", call=Call(api=str(call.api), host=str(call.host), path=str(call.path)),
+                              started=record.started if isinstance(record.started, float) else 0.0,
+                              error=f"{CLEAN_FAILED} ({type(exc).__name__}); its bodies were not kept")
+            return bare.entry_parts([b"", b""])
+
+    def clean_or_keep(self, record: CallRecord, blobs: list) -> tuple[CallRecord, list[bytes]]:
+        """``clean``; should it fail, the call is kept all the same, as it came but without its bodies
+        (nothing unredacted reaches the disk), and its record says why: the writer stores it as an error step."""
+        try:
+            return self.clean(record, blobs)
         except Exception as exc:
+            self.not_cleaned += 1
             log.exception(f"stepmill: could not clean a call to {record.call.host}{record.call.path}; kept without bodies")
-            note = f"stepmill could not clean this call for recording ({type(exc).__name__}); its bodies were not kept"
-            return redact_record(dataclasses.replace(record, error=note, notes=list(record.notes) + [note])), \
-                [b"" for _ in blobs[:2]]
+            note = f"{CLEAN_FAILED} ({type(exc).__name__}); its bodies were not kept"
+            error = f"{note}; {record.error}" if record.error else note
+            return redact_record(dataclasses.replace(record, error=error, notes=list(record.notes) + [note])), \
+                [b"" for _ in blobs]
 
     @staticmethod
     def clean(record: CallRecord, blobs: list) -> tuple[CallRecord, list[bytes]]:
@@ -181,7 +199,10 @@ class Handoff:
 
     def status(self) -> dict:
         delays = sorted(self.delays)
-        return {"in_memory": len(self.queue), "in_memory_bytes": self.memory, "dropped": self.dropped,
+        with self._bound:
+            memory, dropped = self.memory, self.dropped
+        return {"alive": self.thread.is_alive(), "in_memory": len(self.queue), "in_memory_bytes": memory,
+                "dropped": dropped, "not_cleaned": self.not_cleaned,
                 "journaled": self.appended, "journal_error": self.failing,
                 "journal_delay_ms": {"p50": round(delays[len(delays) // 2] * 1000, 3),
                                      "p99": round(delays[int(len(delays) * 0.99)] * 1000, 3),
