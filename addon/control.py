@@ -84,8 +84,12 @@ class ControlEndpoint:
         pipeline, siblings = self.state.pipeline, self.siblings
         out = pipeline.status() if pipeline is not None else {}
         if siblings is not None:
-            out["workers"] = sorted([self._worker_status()] + siblings.tell("status", TELL_TIMEOUT),
-                                    key=lambda w: str(w.get("worker")))
+            workers = sorted([self._worker_status()] + siblings.tell("status", TELL_TIMEOUT),
+                             key=lambda w: str(w.get("worker")))
+            out["workers"] = workers
+            out["alive"] = all(worker.get("alive") for worker in workers)  # a worker that did not answer: no
+            for count in ("dropped", "not_cleaned"):
+                out[f"{count}_all_workers"] = sum(worker.get(count, 0) for worker in workers)
         return out
 
     def configure(self, updated):
@@ -180,12 +184,14 @@ class ControlEndpoint:
         return self._worker_status()
 
     def _worker_status(self) -> dict:
-        """What this worker did, from counters only (no file read: the loop and the control thread ask it)."""
+        """What this worker did and whether its threads live, from memory only (no file read: the loop and
+        the control thread ask it)."""
         pipeline = self.state.pipeline
-        return {"worker": self.siblings.id if self.siblings else 0, "pid": os.getpid(),
-                "calls": pipeline.submitted if pipeline is not None else 0,
-                "journaled": pipeline.handoff.appended if pipeline is not None else 0,
-                "in_flight": self.state.in_flight_total()}
+        out = {"worker": self.siblings.id if self.siblings else 0, "pid": os.getpid(),
+               "in_flight": self.state.in_flight_total(), "alive": False}
+        if pipeline is not None:
+            out.update(pipeline.threads(), calls=pipeline.submitted, **pipeline.handoff.counts())
+        return out
 
     async def _local_barrier(self, trajectory_id: str | None, deadline: float) -> dict:
         """Waits until no call of ``trajectory_id`` (any call, for None) is in flight, every call handed

@@ -197,13 +197,18 @@ class Handoff:
         self._wake.set()
         self.thread.join(timeout)
 
+    def counts(self) -> dict:
+        """Calls journaled, dropped and journaled without bodies so far (cheap: the loop may ask)."""
+        with self._bound:
+            dropped = self.dropped
+        return {"journaled": self.appended, "dropped": dropped, "not_cleaned": self.not_cleaned}
+
     def status(self) -> dict:
         delays = sorted(self.delays)
         with self._bound:
-            memory, dropped = self.memory, self.dropped
-        return {"alive": self.thread.is_alive(), "in_memory": len(self.queue), "in_memory_bytes": memory,
-                "dropped": dropped, "not_cleaned": self.not_cleaned,
-                "journaled": self.appended, "journal_error": self.failing,
+            memory = self.memory
+        return {"in_memory": len(self.queue), "in_memory_bytes": memory, **self.counts(),
+                "journal_error": self.failing,
                 "journal_delay_ms": {"p50": round(delays[len(delays) // 2] * 1000, 3),
                                      "p99": round(delays[int(len(delays) * 0.99)] * 1000, 3),
                                      "max": round(delays[-1] * 1000, 3)} if delays else None}

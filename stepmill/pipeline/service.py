@@ -86,18 +86,22 @@ class Pipeline:
         return False
 
     # -- off the event loop ---------------------------------------------------------------
+    def threads(self) -> dict:
+        """Whether the handoff thread, the writer (thread or process) and the state watch live, and why
+        one is behind; from memory only (no file is read: the event loop may ask)."""
+        threads = {"handoff": {"alive": self.handoff.thread.is_alive(), "error": self.handoff.failing},
+                   "writer": self.writer.status()}
+        if self.watch is not None:  # started by the proxy (watch_runs), not by every user of a pipeline
+            threads["state_watch"] = self.watch.status()
+        return {"alive": all(thread["alive"] for thread in threads.values()), "threads": threads}
+
     def status(self) -> dict:
         """The pipeline's state, for health and stats: whether its threads (and writer process) live, the
         calls it could not keep or read, the backlog in memory and in the journal."""
-        handoff = self.handoff.status()
-        threads = {"handoff": {"alive": handoff.pop("alive"), "error": handoff["journal_error"]},
-                   "writer": self.writer.status(),
-                   "state_watch": self.watch.status() if self.watch is not None else {"alive": False}}
-        out = {"alive": all(thread["alive"] for thread in threads.values()), "threads": threads,
-               "writer": self.writer_kind}
+        out = {**self.threads(), "writer": self.writer_kind}
         if self.writer_kind != "thread":
             out["writer_priority"] = self.priority
-        out.update(handoff)
+        out.update(self.handoff.status())
         out["unreadable_calls"] = int(self.store.get_state(UNREADABLE_KEY) or 0)  # by every writer of the file
         out["uncommitted_bytes"] = self.journal.backlog(self.journal.committed(self.store))
         return out
