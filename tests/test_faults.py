@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import json
 import ssl
+import subprocess
 import time
 
 import httpx2
@@ -23,7 +24,7 @@ from stepmill.pipeline.journal import UNREADABLE_KEY, entry_parts
 from stepmill.pipeline.service import Pipeline
 from stepmill.store import Store
 
-from .conftest import TESTS, start_proxy, stop_proxy, wait_until
+from .conftest import STEPMILL, TESTS, start_proxy, stop_proxy, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,8 @@ def test_a_call_whose_cleaning_raises_is_an_error_step_and_the_calls_around_it_a
     steps = _steps_of(faulty, marker, 2, lambda s: s["status"] == "ok")
     assert sorted(m["content"] for s in steps for m in s["messages"] if m["role"] == "user") == \
         [f"first {marker}", f"last {marker}"]
-    [bad] = [s for s in _all_steps(faulty) if "could not clean this call" in (s["error"] or "")]
+    [bad] = wait_until(lambda: [s for s in _all_steps(faulty) if "could not clean this call" in (s["error"] or "")],
+                       what="the call that could not be cleaned")  # its worker's writer may commit it later
     assert bad["status"] == "error" and not bad["raw_request"] and marker not in json.dumps(bad, default=str)
     capture = _capture(faulty)
     assert _not_cleaned(faulty) == before + 1 and capture["alive"], capture
@@ -159,3 +161,16 @@ def test_an_unreadable_journal_entry_is_an_error_step_counted_and_the_writer_goe
     [bad] = [s for s in steps if s["status"] == "error"]
     assert "could not read this journal entry" in bad["error"] and store.get_state(UNREADABLE_KEY) == "1"
     store.close()
+    text = subprocess.run(STEPMILL + ["stats", "--db", db], check=True, capture_output=True, text=True).stdout
+    assert "unreadable calls: 1, kept as error steps" in text
+
+
+def test_stats_asks_a_running_proxy_whether_its_threads_live(faulty):
+    args = STEPMILL + ["stats", "--db", str(faulty.db), "--proxy", faulty.url, "--confdir", str(faulty.confdir)]
+    text = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    assert "handoff alive, writer alive, state watch alive; dropped 0" in text, text
+    data = json.loads(subprocess.run(args + ["--json"], check=True, capture_output=True, text=True).stdout)
+    assert data["capture"]["alive"] is True and "unreadable_calls" in data
+    unreachable = subprocess.run(STEPMILL + ["stats", "--db", str(faulty.db), "--proxy", "http://127.0.0.1:9"],
+                                 check=True, capture_output=True, text=True).stdout
+    assert "did not answer its health" in unreachable
