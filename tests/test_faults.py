@@ -53,6 +53,12 @@ def _capture(proxy) -> dict:
     return proxy.client().health()["capture"]
 
 
+def _watch_errors(proxy) -> list:
+    """Why each worker's state watch is behind (None where it is not)."""
+    capture = _capture(proxy)
+    return [worker["threads"]["state_watch"]["error"] for worker in capture.get("workers") or [capture]]
+
+
 def _not_cleaned(proxy) -> int:
     """Calls journaled without their bodies, by every worker of the proxy."""
     capture = _capture(proxy)
@@ -97,13 +103,13 @@ def test_failed_state_reads_are_reported_and_read_again(faulty, marker):
         store.start_trajectory(trajectory_id=f"run-{marker}", group_id=f"grp-{marker}")
         store.register_run(f"run-{marker}", secret_hash("s3cret"))
         store.close()
-        wait_until(lambda: _capture(faulty)["threads"]["state_watch"]["error"], what="the watch to report its failure")
+        wait_until(lambda: all(_watch_errors(faulty)), what="every worker's watch to report its failure")
         _ask(_client(faulty), f"meanwhile {marker}")
         _steps_of(faulty, f"meanwhile {marker}", 1, lambda s: s["status"] == "ok")
         assert _capture(faulty)["threads"]["state_watch"]["alive"]
     finally:
         flag.unlink()
-    wait_until(lambda: _capture(faulty)["threads"]["state_watch"]["error"] is None, what="the watch to read again")
+    wait_until(lambda: not any(_watch_errors(faulty)), what="every worker's watch to read again")
     host = f"127.0.0.1:{faulty.port}"
     with pytest.raises(openai.PermissionDeniedError):  # the run it read late: its secret is asked for
         _ask(_client(faulty, f"http://run-{marker}:wrong@{host}"), f"intruder {marker}")

@@ -65,7 +65,7 @@ class Handoff:
         self.thread.start()
 
     def submit(self, record: CallRecord, blobs: list[bytes]) -> None:
-        """On the event loop: O(1), no I/O."""
+        """On the event loop: O(1), no I/O (but a log line for a call dropped over the memory bound)."""
         limit = record.max_body or None  # what is kept of a larger body: never dropped for its size
         size = sum(min(len(b), limit) if limit else len(b) for b in blobs)
         with self._bound:
@@ -99,9 +99,11 @@ class Handoff:
         while self.queue:
             batch = list(itertools.islice(self.queue, 256))  # the loop only appends on the right
             # Secrets never reach the disk, the journal included (a few ms per MB, off the loop).
-            data = []
+            data, not_cleaned = [], 0
             for record, blobs, _ in batch:
-                data += self._entry(record, blobs)
+                parts, cleaned = self._entry(record, blobs)
+                data += parts
+                not_cleaned += not cleaned
             try:
                 self.journal.append(data)  # one write() for the batch
             except OSError as exc:
@@ -119,6 +121,7 @@ class Handoff:
                     self.memory -= size
                 self.delays.append(now - (record.ended or now))
             self.appended += len(batch)
+            self.not_cleaned += not_cleaned  # counted once journaled: a refused batch is cleaned again
             # One wake-up per BATCH_WAIT is enough: a woken writer waits that long before it reads
             # the journal, so it also sees what was appended since.
             if time.monotonic() - self._notified >= BATCH_WAIT or self._stop:
@@ -126,32 +129,32 @@ class Handoff:
                 self.notify()
         return self._stop and not self.queue
 
-    def _entry(self, record: CallRecord, blobs: list) -> list:
-        """The journal entry of one call, cleaned; never raises (one call cannot hold up the ones after it)."""
-        cleaned, kept = self.clean_or_keep(record, blobs)
+    def _entry(self, record: CallRecord, blobs: list) -> tuple[list, bool]:
+        """The journal entry of one call and whether it was cleaned (else it is kept without its bodies);
+        never raises: one call cannot hold up the ones after it."""
         try:
-            return cleaned.entry_parts(kept)
-        except Exception as exc:  # a header that is no JSON: the call is kept by who made it and why
-            log.exception(f"stepmill: could not journal a call to {record.call.host}{record.call.path}; kept bare")
-            self.not_cleaned += 1
-            call = record.call
-            bare = CallRecord(kind="failure", call=Call(api=str(call.api), host=str(call.host), path=str(call.path)),
-                              started=record.started if isinstance(record.started, float) else 0.0,
-                              error=f"{CLEAN_FAILED} ({type(exc).__name__}); its bodies were not kept")
-            return bare.entry_parts([b"", b""])
-
-    def clean_or_keep(self, record: CallRecord, blobs: list) -> tuple[CallRecord, list[bytes]]:
-        """``clean``; should it fail, the call is kept all the same, as it came but without its bodies
-        (nothing unredacted reaches the disk), and its record says why: the writer stores it as an error step."""
-        try:
-            return self.clean(record, blobs)
+            cleaned, kept = self.clean(record, blobs)
+            return cleaned.entry_parts(kept), True
         except Exception as exc:
-            self.not_cleaned += 1
-            log.exception(f"stepmill: could not clean a call to {record.call.host}{record.call.path}; kept without bodies")
-            note = f"{CLEAN_FAILED} ({type(exc).__name__}); its bodies were not kept"
-            error = f"{note}; {record.error}" if record.error else note
-            return redact_record(dataclasses.replace(record, error=error, notes=list(record.notes) + [note])), \
-                [b"" for _ in blobs]
+            log.exception(f"stepmill: could not clean a call to {record.call.host}{record.call.path}; "
+                          "kept without its bodies")
+            return self.kept_without_bodies(record, blobs, exc), False
+
+    @staticmethod
+    def kept_without_bodies(record: CallRecord, blobs: list, exc: Exception) -> list:
+        """The entry of a call that could not be cleaned: as it came but without its bodies (nothing
+        unredacted reaches the disk), its record saying why; the writer stores it as an error step. Should
+        even its record not be written (a header that is no JSON), only who made it and where it went."""
+        note = f"{CLEAN_FAILED} ({type(exc).__name__}); its bodies were not kept"
+        try:
+            return redact_record(dataclasses.replace(
+                record, error=f"{note}; {record.error}" if record.error else note,
+                notes=list(record.notes) + [note])).entry_parts([b"" for _ in blobs])
+        except Exception:
+            call = record.call
+            return CallRecord(kind="failure", call=Call(api=str(call.api), host=str(call.host), path=str(call.path)),
+                              started=record.started if isinstance(record.started, (int, float)) else 0.0,
+                              error=note).entry_parts([b"", b""])
 
     @staticmethod
     def clean(record: CallRecord, blobs: list) -> tuple[CallRecord, list[bytes]]:
