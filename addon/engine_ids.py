@@ -126,7 +126,8 @@ class EngineIds:
                 root = via.chat_path(request.path)[: -len("/v1/chat/completions")]
                 capture.record.render_with = f"{request.scheme}://{request.host}:{request.port}{root}"
             if not ctx.options.stepmill_messages_via_chat:
-                capture.record.notes.append("stepmill_messages_via_chat is off: the engine's own endpoint gives no token ids")
+                capture.record.notes.append(
+                    "stepmill_messages_via_chat is off: the engine's own endpoint gives no token ids")
                 return
         try:
             translated = via.translate(body, request.path, "sglang" if kind == "sglang" else "vllm")

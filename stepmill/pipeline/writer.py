@@ -54,7 +54,6 @@ class Writer:
         self.committed = 0
         self.last_commit: float | None = None
         self.failing: str | None = None  # why the last batch did not commit (it is tried again)
-        self.unreadable = 0  # calls this writer kept as error steps because they could not be read
         self._since_checkpoint = 0
 
     def wake(self) -> None:
@@ -125,7 +124,6 @@ class Writer:
             log.warning("stepmill: the database takes writes again")
             self.failing = None
         self.committed += len(entries)
-        self.unreadable = ingest.unreadable
         self.last_commit = time.time()
         journal.drop_before(entries[-1][0])
         self._since_checkpoint += sum(len(payload) for _, payload in entries)
@@ -148,7 +146,10 @@ class Writer:
 
     def _checkpoint(self, store: Store, mode: str) -> None:
         self._since_checkpoint = 0
-        store.checkpoint(mode)  # False when a reader holds the WAL: the next batch tries again
+        try:
+            store.checkpoint(mode)  # False when a reader holds the WAL: the next batch tries again
+        except Exception as exc:  # the WAL only grows until the next one: never the writer's end
+            log.warning(f"stepmill: the writer could not checkpoint the WAL ({type(exc).__name__}: {exc})")
 
 
 class ThreadWriter:
