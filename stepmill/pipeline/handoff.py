@@ -88,8 +88,9 @@ class Handoff:
             try:
                 if self._pass():
                     return
-            except Exception:  # never ends silently: every later call would stay in memory only
+            except Exception as exc:  # never ends silently: every later call would stay in memory only
                 log.exception("stepmill: the handoff failed; it goes on")
+                self.failing = f"{type(exc).__name__}: {exc}"  # health says why calls wait; cleared by an append
                 time.sleep(RETRY_WAIT)
 
     def _pass(self) -> bool:
