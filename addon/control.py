@@ -57,7 +57,7 @@ class ControlEndpoint:
         self.siblings = Siblings.from_env(token)
         self._add_run = state.on_loop(state.runs.add)
         self.api = ControlAPI(state.pipeline.store, self.endpoints, token=token, status=self._status,
-                              on_policy_version=state.on_loop(state.set_policy_version), on_run=self._on_run)
+                              on_run=self._on_run)
         if self.siblings is not None:
             self._serving = asyncio.get_running_loop().create_task(self.siblings.serve(
                 {"barrier": self._sibling_barrier, "run": self._sibling_run, "status": self._sibling_status}))
@@ -84,8 +84,12 @@ class ControlEndpoint:
         pipeline, siblings = self.state.pipeline, self.siblings
         out = pipeline.status() if pipeline is not None else {}
         if siblings is not None:
-            out["workers"] = sorted([self._worker_status()] + siblings.tell("status", TELL_TIMEOUT),
-                                    key=lambda w: str(w.get("worker")))
+            workers = sorted([self._worker_status()] + siblings.tell("status", TELL_TIMEOUT),
+                             key=lambda w: str(w.get("worker")))
+            out["workers"] = workers
+            out["alive"] = all(worker.get("alive") for worker in workers)  # a worker that did not answer: no
+            for count in ("dropped", "not_cleaned"):
+                out[f"{count}_all_workers"] = sum(worker.get(count, 0) for worker in workers)
         return out
 
     def configure(self, updated):
@@ -180,20 +184,24 @@ class ControlEndpoint:
         return self._worker_status()
 
     def _worker_status(self) -> dict:
-        """What this worker did, from counters only (no file read: the loop and the control thread ask it)."""
+        """What this worker did and whether its threads live, from memory only (no file read: the loop and
+        the control thread ask it)."""
         pipeline = self.state.pipeline
-        return {"worker": self.siblings.id if self.siblings else 0, "pid": os.getpid(),
-                "calls": pipeline.submitted if pipeline is not None else 0,
-                "journaled": pipeline.handoff.appended if pipeline is not None else 0,
-                "in_flight": self.state.in_flight(None)}
+        out = {"worker": self.siblings.id if self.siblings else 0, "pid": os.getpid(),
+               "in_flight": self.state.in_flight_total(), "alive": False}
+        if pipeline is not None:
+            out.update(pipeline.threads(), calls=pipeline.submitted, **pipeline.handoff.counts())
+        return out
 
     async def _local_barrier(self, trajectory_id: str | None, deadline: float) -> dict:
         """Waits until no call of ``trajectory_id`` (any call, for None) is in flight, every call handed
         off is in the journal, and the writer committed the journal up to where it then ended."""
         started = time.monotonic()
-        while self.state.in_flight(trajectory_id) > 0 and time.monotonic() < deadline:
+        state = self.state
+        in_flight = state.in_flight_total if trajectory_id is None else lambda: state.in_flight_of(trajectory_id)
+        while in_flight() > 0 and time.monotonic() < deadline:
             await asyncio.sleep(BARRIER_POLL)
-        pipeline = self.state.pipeline
+        pipeline = state.pipeline
         committed = pipeline is not None and await pipeline.flushed(deadline, self.thread)
         return {"committed": committed, "waited_ms": round((time.monotonic() - started) * 1000, 1),
-                **({} if committed else {"in_flight": self.state.in_flight(trajectory_id)})}
+                **({} if committed else {"in_flight": in_flight()})}

@@ -124,25 +124,26 @@ class EngineIds:
         if via.ENGINE_ENDPOINT:  # the engine answers the call itself when it is not translated
             if kind != "sglang":  # vLLM renders with its own template through /tokenize, at its root
                 root = via.chat_path(request.path)[: -len("/v1/chat/completions")]
-                capture.render_with = f"{request.scheme}://{request.host}:{request.port}{root}"
+                capture.record.render_with = f"{request.scheme}://{request.host}:{request.port}{root}"
             if not ctx.options.stepmill_messages_via_chat:
-                capture.notes.append("stepmill_messages_via_chat is off: the engine's own endpoint gives no token ids")
+                capture.record.notes.append(
+                    "stepmill_messages_via_chat is off: the engine's own endpoint gives no token ids")
                 return
         try:
             translated = via.translate(body, request.path, "sglang" if kind == "sglang" else "vllm")
         except Exception as exc:  # a request chat cannot carry, or a body of another shape: as it came, with why
             why = "its own endpoint gives no token ids" if via.ENGINE_ENDPOINT else \
                 "it has no endpoint for this protocol"
-            capture.notes.append(f"sent to the engine as it came, and {why} ({type(exc).__name__}: {exc})")
+            capture.record.notes.append(f"sent to the engine as it came, and {why} ({type(exc).__name__}: {exc})")
             return
-        capture.render_with = None  # served through chat: exact ids
+        capture.record.render_with = None  # served through chat: exact ids
         request.path = translated.path
         request.set_content(json_bytes(translated.chat))
         capture.raw_request = request.raw_content or b""
         capture.call.engine_api, capture.call.path = CHAT_PROTOCOL.api, request.path
         capture.protocol = CHAT_PROTOCOL  # what is on the wire from here on
         capture.via, capture.translated = via, translated.options
-        capture.notes += [via.NOTE, *translated.notes]
+        capture.record.notes += [via.NOTE, *translated.notes]
 
     # -- response ---------------------------------------------------------------------------
     @staticmethod
@@ -171,7 +172,7 @@ class EngineIds:
             if isinstance(payload, dict) and engine.strip(payload, capture.added):
                 response.set_content(json_bytes(payload))
         except Exception as exc:  # the agent gets the engine's body rather than none
-            capture.notes.append(f"could not remove the engine fields: {exc}")
+            capture.record.notes.append(f"could not remove the engine fields: {exc}")
 
     @staticmethod
     def _translate_plain(response: http.Response, capture: Capture) -> None:
@@ -182,7 +183,7 @@ class EngineIds:
             translated = via.answer_of(payload, **capture.translated) \
                 if response.status_code < 400 else via.error_body(payload)
         except Exception as exc:
-            capture.notes.append(f"could not translate the engine's answer back: {exc}")
+            capture.record.notes.append(f"could not translate the engine's answer back: {exc}")
             translated = via.error_body({"message": f"stepmill could not translate the answer: {exc}"})
         response.set_content(json_bytes(translated))
         response.headers["content-type"] = "application/json"

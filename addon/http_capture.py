@@ -2,7 +2,8 @@
 
 ``request`` recognises an LLM call by its path, takes its tags out and asks ``EngineIds`` for
 engine fields; ``responseheaders`` taps a stream; ``response`` / ``error`` hand the finished
-exchange (references to bytes already in memory) over as a ``CallRecord``. Parsing, linking
+exchange (references to bytes already in memory) over with its ``CallRecord``, made when the
+request was recognised and completed with the response's facts. Parsing, linking
 and the database happen in the pipeline, off the loop.
 
 Only LLM API paths are touched. Everything else (other paths, other hosts) passes byte-identical:
@@ -11,6 +12,7 @@ tags are taken out of a request only once its path is known to be an LLM call.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -104,13 +106,14 @@ class HttpCapture:
                 "message": f"stepmill refused this call: {exc}", "type": "stepmill_refused"}}),
                 {"Content-Type": "application/json"})
             return None
+        call = Call(api=protocol.api, host=host, path=request.path.split("?", 1)[0], tags=tags,
+                    session_id=tagging.session_id(index), headers=allowed_headers(index),
+                    client_conn=flow.client_conn.id, default_channel=ctx.options.stepmill_channel)
         capture = Capture(
-            call=Call(api=protocol.api, host=host, path=request.path.split("?", 1)[0], tags=tags,
-                      session_id=tagging.session_id(index), headers=allowed_headers(index),
-                      client_conn=flow.client_conn.id, default_channel=ctx.options.stepmill_channel),
-            protocol=protocol, started=request.timestamp_start or time.time(), raw_request=request.raw_content or b"",
-            request_encoding=index.get("content-encoding"), websocket=websocket,
-        )
+            record=CallRecord(kind="http", call=call, started=request.timestamp_start or time.time(),
+                              request_encoding=index.get("content-encoding"),
+                              keep_raw=ctx.options.stepmill_keep_raw, max_body=ctx.options.stepmill_max_body),
+            protocol=protocol, raw_request=request.raw_content or b"", websocket=websocket)
         flow.metadata["stepmill"] = capture
         self.state.began(tags.trajectory_id)  # until handed off, or (a WebSocket) upgraded
         return capture
@@ -175,34 +178,28 @@ class HttpCapture:
             self._hand_off_failure(capture, f"stepmill could not record this call: {exc}", flow)
 
     def _finish(self, flow: http.HTTPFlow, capture: Capture, *, error: str | None) -> None:
-        response = flow.response
-        ended = (response.timestamp_end if response and response.timestamp_end else None) or time.time()
-        facts = dict(error=error, ended=ended, http_status=response.status_code if response is not None else None,
-                     websocket_upgrade=capture.websocket, max_body=ctx.options.stepmill_max_body)
-        tap = capture.tap
+        """The response's facts added to the call's record, which is handed over with the bodies."""
+        response, record, tap = flow.response, capture.record, capture.tap
+        record.ended = (response.timestamp_end if response and response.timestamp_end else None) or time.time()
+        record.error, record.websocket_upgrade = error, capture.websocket
+        record.http_status = response.status_code if response is not None else None
         if tap is not None:
-            record = self._record(capture, "sse", **facts, marks=tap.marks, response_encoding=tap.content_encoding,
-                                  notes=capture.notes + tap.notes, received=tap.received)
-            self._hand_off(capture, record, [capture.raw_request, tap.raw])
-            return
-        if response is None:
-            self._hand_off(capture, self._record(capture, "http", **facts, notes=capture.notes),
-                           [capture.raw_request, b""])
-            return
-        body = response.raw_content or b""  # the engine's own bytes are recorded, ids and all
-        facts.update(response_started=response.timestamp_start,
-                     response_encoding=response.headers.get("content-encoding"))
-        self.engine.whole_body(response, capture, error)
-        self._hand_off(capture, self._record(capture, "http", **facts, notes=capture.notes),
-                       [capture.raw_request, body])
+            record.kind, record.marks, record.received = "sse", tap.marks, tap.received
+            record.response_encoding = tap.content_encoding
+            record.notes += tap.notes
+            self._hand_off(capture, [capture.raw_request, tap.raw])
+        elif response is None:
+            self._hand_off(capture, [capture.raw_request, b""])
+        else:
+            body = response.raw_content or b""  # the engine's own bytes are recorded, ids and all
+            record.response_started = response.timestamp_start
+            record.response_encoding = response.headers.get("content-encoding")
+            self.engine.whole_body(response, capture, error)
+            self._hand_off(capture, [capture.raw_request, body])
 
-    def _record(self, capture: Capture, kind: str, **facts) -> CallRecord:
-        return capture.record(kind, policy_version=self.state.policy_version,
-                              keep_raw=ctx.options.stepmill_keep_raw, **facts)
-
-    def _hand_off(self, capture: Capture, record: CallRecord, blobs: list) -> None:
+    def _hand_off(self, capture: Capture, blobs: list, record: CallRecord | None = None) -> None:
         capture.done = True
-        self.state.hand_off(record, blobs)
+        self.state.hand_off(record or capture.record, blobs)
 
     def _hand_off_failure(self, capture: Capture, message: str, flow: http.HTTPFlow):
         """Last resort for a hook that failed: keep the raw exchange with an error, so nothing is lost."""
@@ -210,10 +207,9 @@ class HttpCapture:
             return
         tap, response = capture.tap, flow.response
         raw_response = tap.raw if tap is not None else ((response.raw_content or b"") if response is not None else b"")
-        record = CallRecord(
-            kind="failure", call=capture.call, started=capture.started, error=message,
-            max_body=ctx.options.stepmill_max_body, request_encoding=capture.request_encoding,
+        record = dataclasses.replace(
+            capture.record, kind="failure", error=message, marks=None,
             response_encoding=tap.content_encoding if tap is not None else
             response.headers.get("content-encoding") if response is not None else None,
             received=tap.received if tap is not None else None)
-        self._hand_off(capture, record, [capture.raw_request, raw_response])
+        self._hand_off(capture, [capture.raw_request, raw_response], record)

@@ -3,7 +3,7 @@
 Everything here is changed on mitmproxy's event loop only, so it needs no lock: the threads that
 learn of a change (the control thread, the state watch) hand it to the loop (``on_loop``), which
 makes the changes in the order they came. The one read from another thread is the control thread's
-status of this worker (``in_flight(None)``, ``pipeline``): a snapshot, a moment old at most. The
+status of this worker (``in_flight_total()``, ``pipeline``): a snapshot, a moment old at most. The
 pipeline (the handoff thread, the writer) lives off the loop; ``hand_off`` is the one way a
 finished call reaches it.
 """
@@ -40,35 +40,21 @@ def hook_failed(name: str) -> None:
 class Capture:
     """What the addons know about one LLM call while it is in flight (``flow.metadata["stepmill"]``)."""
 
-    call: Call
+    # The call's record, made once when its request is recognised; the hooks add the response's facts and
+    # hand it over as it is (a WebSocket's is the pattern each of its turns' records is made from)
+    record: CallRecord
     protocol: Protocol  # of the exchange on the wire: the agent's, or the engine's chat once translated
-    started: float
     raw_request: bytes
-    request_encoding: str | None
     websocket: bool = False
     added: engine.Added = field(default_factory=engine.Added)
     tap: StreamTap | None = None
-    notes: list[str] = field(default_factory=list)
     done: bool = False
     translated: dict | None = None  # a call served through chat: its translator's options
     via: ChatTranslation | None = None  # then, the agent's protocol's translation (Protocol.via_chat)
-    render_with: str | None = None  # a vLLM engine's root, whose /tokenize renders a call it gave no ids for
 
-    def record(self, kind: str, *, policy_version: str | None, keep_raw: bool, **facts) -> CallRecord:
-        """The record of an exchange of this call (a hook's failure has its own, ``HttpCapture``)."""
-        facts.setdefault("started", self.started)  # a WebSocket turn's own start replaces it
-        return CallRecord(kind=kind, call=self.call, render_with=self.render_with,
-                          policy_version=policy_version, keep_raw=keep_raw,
-                          request_encoding=self.request_encoding, **facts)
-
-
-@dataclass
-class Turn:
-    """One ``response.create`` on a Responses WebSocket, until its terminal event."""
-
-    request: bytes
-    started: float
-    frames: list[tuple[float, bytes]] = field(default_factory=list)
+    @property
+    def call(self) -> Call:
+        return self.record.call
 
 
 class LoopState:
@@ -76,15 +62,10 @@ class LoopState:
 
     def __init__(self):
         self.pipeline: Pipeline | None = None  # from `running` until `done` (PipelineLifecycle)
-        self.policy_version: str | None = None  # set by the control API and by the pipeline's state watcher
-        self.runs = RunTable()  # registered runs, filled the same two ways
+        self.runs = RunTable()  # registered runs: told by the control API and by the pipeline's state watch
         self.connection_tags: dict[str, tagging.Tags] = {}  # proxy credentials per client connection
         # Calls in flight (request seen, not yet handed off) per trajectory: what a barrier waits for.
         self.inflight: collections.Counter = collections.Counter()
-
-    def set_policy_version(self, version: str | None) -> None:
-        """Told by the control API and the state watch, through ``on_loop``."""
-        self.policy_version = version
 
     @staticmethod
     def on_loop(change: Callable[[T], None]) -> Callable[[T], None]:
@@ -102,6 +83,7 @@ class LoopState:
 
         return apply
 
+    # Each of these takes a call's trajectory as its tags say: None is a call that names none.
     def began(self, trajectory_id: str | None) -> None:
         self.inflight[trajectory_id] += 1
 
@@ -111,9 +93,13 @@ class LoopState:
         if self.inflight[trajectory_id] <= 0:
             del self.inflight[trajectory_id]
 
-    def in_flight(self, trajectory_id: str | None) -> int:
-        """Calls of ``trajectory_id`` in flight; of every trajectory for None."""
-        return sum(self.inflight.values()) if trajectory_id is None else self.inflight.get(trajectory_id, 0)
+    def in_flight_of(self, trajectory_id: str | None) -> int:
+        """Calls of ``trajectory_id`` in flight."""
+        return self.inflight.get(trajectory_id, 0)
+
+    def in_flight_total(self) -> int:
+        """Calls in flight, of every trajectory and of none."""
+        return sum(self.inflight.values())
 
     def hand_off(self, record: CallRecord, blobs: list) -> None:
         """O(1): the pipeline queues the record and its blobs (references to bytes, no copies)."""

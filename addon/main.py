@@ -4,7 +4,7 @@ mitmproxy's addon manager walks ``addons`` (depth first, in this order) for ever
 part below is an addon of its own with only the hooks it needs:
 
 - ``StepmillOptions``: declares the stepmill_* options and refuses bad values, before anything starts;
-- ``PipelineLifecycle``: starts the pipeline (off the loop) in ``running``, stops it in ``done``;
+- ``PipelineLifecycle``: starts the pipeline in ``running`` (its threads then run off the loop), stops it in ``done``;
 - ``Doors``: what a call may reach by where it comes from (a sandboxed run's door; admin routes);
 - ``ControlEndpoint``: the control API on its magic host, answered in a thread of its own;
 - ``HttpCapture``: LLM calls over HTTP (tags, engine ids, stream taps) to records for the pipeline;

@@ -1,10 +1,12 @@
 """Starts the capture pipeline once mitmproxy runs, restarts it when its options change, stops it at exit.
 
-The pipeline (journal, handoff thread, writer) and the state watch (policy version and runs that
-other processes write) start in ``running`` (or at a request that comes first): by then mitmproxy
-has applied and checked every option, so a misspelt value fails before any file is touched. Both run
-off the loop; the loop reaches them through ``LoopState``, and the watch's news reaches the loop
-through ``LoopState.on_loop``.
+The pipeline (journal, handoff thread, writer, and the state watch of the runs other processes
+register) starts in ``running`` (or at a request that comes first): by then mitmproxy has applied and
+checked every option, so a misspelt value fails before any file is touched. Starting is the one time
+the loop touches the disk (it opens, and may migrate, the database, makes the journal, starts the
+writer and reads the runs), at start-up and again when ``configure`` changes a pipeline option (a
+restart: calls wait on the loop meanwhile). Once started, the pipeline runs off the loop; the loop
+reaches it through ``LoopState``, and the watch's news reaches the loop through ``LoopState.on_loop``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from stepmill.addon.loop_state import LoopState
 from stepmill.addon.options import PIPELINE_OPTIONS
 from stepmill.auth.runs import RunTable
 from stepmill.pipeline.service import Pipeline
-from stepmill.pipeline.state_watch import StateWatch
 
 log = logging.getLogger("stepmill")
 
@@ -27,7 +28,6 @@ class PipelineLifecycle:
     def __init__(self, state: LoopState, control: ControlEndpoint):
         self.state = state
         self.control = control
-        self.watch: StateWatch | None = None
         self.stopped = False  # after done: nothing starts again
 
     def running(self):
@@ -54,17 +54,14 @@ class PipelineLifecycle:
         pipeline = Pipeline(ctx.options.stepmill_db, writer=ctx.options.stepmill_writer,
                             priority=ctx.options.stepmill_writer_priority)  # creates or migrates the file
         state.runs = RunTable()
-        self.watch = StateWatch(pipeline.db_path, on_policy_version=state.on_loop(state.set_policy_version),
-                                on_run=state.on_loop(state.runs.add))
+        pipeline.watch_runs(state.on_loop(state.runs.add))
         state.pipeline = pipeline
         self.control.open()
         log.info(f"stepmill: writing steps to {pipeline.db_path} ({pipeline.writer_kind} writer, "
                  f"journal {pipeline.journal.folder})")
 
     def _stop(self) -> None:
-        if self.watch is not None:
-            self.watch.stop()
         self.control.close()
         if self.state.pipeline is not None:
             self.state.pipeline.close()
-        self.watch = self.state.pipeline = None
+        self.state.pipeline = None

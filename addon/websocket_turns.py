@@ -7,18 +7,21 @@ ends it. Frames are only matched by their type here, never parsed.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
-from mitmproxy import ctx, http
+from mitmproxy import http
 
-from stepmill.addon.loop_state import Capture, LoopState, Turn, hook_failed
+from stepmill.addon.loop_state import Capture, LoopState, hook_failed
+from stepmill.pipeline.call_record import CallRecord
 from stepmill.protocols.openai_responses import is_create_frame, is_terminal_frame
 
 
 class WebSocketTurns:
     def __init__(self, state: LoopState):
         self.state = state
-        self.turns: dict[str, Turn] = {}  # the open turn per flow
+        # The open turn per flow: its record and blobs (the response.create frame, then the server's frames)
+        self.turns: dict[str, tuple[CallRecord, list[bytes]]] = {}
 
     def websocket_message(self, flow: http.HTTPFlow):
         capture: Capture | None = flow.metadata.get("stepmill")
@@ -32,17 +35,21 @@ class WebSocketTurns:
                     return  # other client frames (steering, pings, anything unparsable) do not end a turn
                 pending = self.turns.pop(flow.id, None)
                 if pending is not None:
-                    self._finish_turn(capture, pending, cut="a new response.create arrived before this turn ended")
-                self.turns[flow.id] = Turn(request=content, started=message.timestamp)
+                    self._finish_turn(pending, cut="a new response.create arrived before this turn ended")
+                self.turns[flow.id] = (dataclasses.replace(
+                    capture.record, kind="websocket", started=message.timestamp, http_status=101,
+                    notes=list(capture.record.notes), frames=[]), [content])
                 self.state.began(capture.call.tags.trajectory_id)
                 return
             turn = self.turns.get(flow.id)
             if turn is None:
                 return
-            turn.frames.append((message.timestamp, content))
+            record, blobs = turn
+            record.frames.append((message.timestamp, len(blobs)))
+            blobs.append(content)
             if is_terminal_frame(content):
                 self.turns.pop(flow.id, None)
-                self._finish_turn(capture, turn)
+                self._finish_turn(turn)
         except Exception:
             hook_failed("websocket_message")
 
@@ -53,14 +60,13 @@ class WebSocketTurns:
             return
         try:
             reason = flow.websocket.close_reason if flow.websocket else None
-            self._finish_turn(capture, turn, cut=f"WebSocket closed before the turn ended"
+            self._finish_turn(turn, cut=f"WebSocket closed before the turn ended"
                                                  f" (code {flow.websocket.close_code if flow.websocket else '?'}"
                                                  f"{', ' + reason if reason else ''})")
         except Exception:
             hook_failed("websocket_end")
 
-    def _finish_turn(self, capture: Capture, turn: Turn, cut: str | None = None):
-        record = capture.record("websocket", policy_version=self.state.policy_version,
-                                keep_raw=ctx.options.stepmill_keep_raw, started=turn.started, ended=time.time(),
-                                cut=cut, frames=[(at, i + 1) for i, (at, _) in enumerate(turn.frames)])
-        self.state.hand_off(record, [turn.request] + [content for _, content in turn.frames])
+    def _finish_turn(self, turn: tuple[CallRecord, list[bytes]], cut: str | None = None):
+        record, blobs = turn
+        record.ended, record.cut = time.time(), cut
+        self.state.hand_off(record, blobs)

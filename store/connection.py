@@ -28,8 +28,17 @@ def _private_database(path: str) -> None:
     SQLite opens it; leftovers of an older stepmill that others could read are closed too."""
     if path in ("", ":memory:") or path.startswith("file:"):
         return
+    # Never a descriptor of a file that exists: closing it would drop every lock SQLite holds on it in this
+    # process (POSIX), and another process closing the file last would then delete the WAL under this
+    # process's open connections (a thread writer opening beside the proxy's store and state watch).
     try:
-        os.close(private_opener(path, os.O_RDWR | os.O_CREAT))
+        if os.path.exists(path):
+            if os.stat(path).st_mode & 0o077:
+                os.chmod(path, 0o600)
+        else:
+            os.close(private_opener(path, os.O_RDWR | os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        pass  # made by another process a moment ago: it is made owner-only there
     except OSError:
         return  # SQLite says why it cannot open it
     for suffix in ("-wal", "-shm", "-journal"):

@@ -1,6 +1,5 @@
 """A call served through an engine's chat completions is stored under the protocol the agent spoke (``api``)
-with the engine's beside it (``engine_api``): steps recorded before that column, and journal entries written
-before it, are read that way too."""
+with the engine's beside it (``engine_api``): steps recorded before that column are read that way too."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import json
 
 import sqlite_utils
 
-from stepmill.pipeline.call_record import CallRecord
 from stepmill.protocols import gemini_via_chat, messages_via_chat
 from stepmill.store import Store, migrations
 
@@ -51,15 +49,3 @@ def test_the_migration_knows_the_notes_the_translations_write():
     # the translations wrote.
     assert migrations.TRANSLATED_NOTES == {"anthropic.messages": messages_via_chat.NOTE,
                                            "gemini.generate": gemini_via_chat.NOTE}
-
-
-def test_a_journal_entry_from_before_engine_api_is_read_as_the_agents_call():
-    old = {"version": 2, "kind": "sse", "call": {"api": "openai.chat", "host": "h", "path": "/v1/chat/completions"},
-           "notes": [gemini_via_chat.NOTE]}
-    record = CallRecord.from_header(old)
-    assert (record.call.api, record.call.engine_api, record.call.wire_api) == \
-        ("gemini.generate", "openai.chat", "openai.chat")
-    again = CallRecord.from_header(record.to_header())
-    assert (again.call.api, again.call.engine_api) == ("gemini.generate", "openai.chat")
-    plain = CallRecord.from_header({**old, "notes": ["something else"]})
-    assert (plain.call.api, plain.call.engine_api) == ("openai.chat", None)

@@ -19,7 +19,7 @@ from stepmill.protocols import gemini_generate
 from stepmill.protocols import openai_chat
 from stepmill.protocols import openai_responses
 from stepmill.protocols import by_api
-from stepmill.pipeline.call_record import Call
+from stepmill.pipeline.call_record import Call, CallRecord
 from stepmill.addon.stream_tap import StreamTap
 from stepmill.protocols.streams import assemble
 from stepmill.store import Store
@@ -120,10 +120,10 @@ def _record(store, module, api, raw_request: bytes, response):
     before = store.query("SELECT coalesce(max(rowid), 0) AS n FROM steps")[0]["n"]
     messages = request.messages if request else []
     wire = request.wire_messages if request else []
-    layer = recording.record_call(store, Call(api=api, host="h", path="/p"), request, parse_error, completion,
-                                  messages, wire, transport="http", started=time.time(), ended=time.time(),
-                                  ttft_ms=1.0, http_status=200, policy_version=None, keep_raw=False,
-                                  raw_request=raw_request, raw_response=raw_response)
+    record = CallRecord(kind="http", call=Call(api=api, host="h", path="/p"), started=time.time(),
+                        ended=time.time(), response_started=time.time(), http_status=200)
+    layer = recording.record_call(store, record, [raw_request, raw_response], request, parse_error, completion,
+                                  messages, wire)
     assert layer in ("full", "parsed", "bare")
     rows = store.query("SELECT status, raw_request, raw_response, error FROM steps WHERE rowid > ? ORDER BY rowid",
                        [before])
@@ -156,8 +156,7 @@ def test_mutated_stream_events_never_raise(store, data, case):
     assert tap(body) == [body]
     tap(b"")
     completion = assemble(module.StreamAssembler(api), bytes(tap.raw), tap.marks, None).completion
-    layer = recording.record_call(store, Call(api=api, host="h", path="/p"), None, None, completion, [], [],
-                                  transport="sse", started=time.time(), ended=time.time(), ttft_ms=None,
-                                  http_status=200, policy_version=None, keep_raw=False, raw_request=b"{}",
-                                  raw_response=body)
+    record = CallRecord(kind="sse", call=Call(api=api, host="h", path="/p"), started=time.time(), ended=time.time(),
+                        http_status=200)
+    layer = recording.record_call(store, record, [b"{}", body], None, None, completion, [], [])
     assert layer in ("full", "parsed", "bare")

@@ -182,17 +182,17 @@ def test_a_full_database_leaves_the_call_to_the_journal_not_to_an_error_step(tmp
     """Every fallback of the writer's recording lets the store's StoreUnavailable through: the writer
     keeps the call in its journal instead of saving a failure step (or losing it)."""
     from stepmill.pipeline import recording
+    from stepmill.pipeline.call_record import Call, CallRecord
 
+    odd = CallRecord(kind="http", call=Call(api="openai.chat", host="h", path="/p"), started=0.0)
     store = Store(tmp_path / "full.db")
     pages = store.db.conn.execute("PRAGMA page_count").fetchone()[0]
     store.db.conn.execute(f"PRAGMA max_page_count = {pages}")
     with pytest.raises(StoreUnavailable, match="full"), store.batch():
-        recording.save_bare(store, "openai.chat", "odd call", started=0.0, transport="http",
-                            raw_request=b"x" * 200_000, raw_response=b"")
+        recording.save_bare(store, odd, [b"x" * 200_000, b""], "odd call")
     store.db.conn.execute("PRAGMA max_page_count = 1073741823")  # room again: the same call is recorded
     with store.batch():
-        assert recording.save_bare(store, "openai.chat", "odd call", started=0.0, transport="http",
-                                   raw_request=b"x" * 200_000, raw_response=b"") == "bare"
+        assert recording.save_bare(store, odd, [b"x" * 200_000, b""], "odd call") == "bare"
     assert [s["started_at"] for s in store.iter_steps()] == ["1970-01-01T00:00:00.000+00:00"]
 
 

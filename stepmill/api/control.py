@@ -29,12 +29,11 @@ UNAUTHORIZED = ("the control API needs the write token: Authorization: Bearer <t
 
 class ControlAPI(Handlers):
     def __init__(self, store: Store, endpoints: Callable[[], Endpoints] = Endpoints, *, token: str,
-                 status: Callable[[], dict] = dict, on_policy_version: Callable[[str | None], None] = lambda v: None,
-                 on_run: Callable[[Run], None] = lambda run: None):
+                 status: Callable[[], dict] = dict, on_run: Callable[[Run], None] = lambda run: None):
         """``token``: what every call but anonymous health must carry; the rest as for ``Handlers``."""
         if not token:
             raise ConfigError("the control API needs a write token")
-        super().__init__(store, endpoints, status=status, on_policy_version=on_policy_version, on_run=on_run)
+        super().__init__(store, endpoints, status=status, on_run=on_run)
         self.token = token
 
     def authorized(self, authorization: str | None) -> bool:

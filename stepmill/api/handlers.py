@@ -87,15 +87,13 @@ class Handlers:
     """The endpoints, by the names the route table gives them (``stepmill.api.routes``)."""
 
     def __init__(self, store: Store, endpoints: Callable[[], Endpoints] = Endpoints, *,
-                 status: Callable[[], dict] = dict, on_policy_version: Callable[[str | None], None] = lambda v: None,
-                 on_run: Callable[[Run], None] = lambda run: None):
-        """``status``: the capture pipeline's backlog, for health and stats; ``on_policy_version``: told
-        of every new version, so the proxy stamps it without reading the file per step; ``on_run``:
-        told of every registered run, so the proxy checks its credentials from the next call."""
+                 status: Callable[[], dict] = dict, on_run: Callable[[Run], None] = lambda run: None):
+        """``status``: the capture pipeline's state (its threads, what it could not keep or read, its
+        backlog), for health and stats; ``on_run``: told of every registered run, so the proxy checks
+        its credentials from the next call."""
         self.store = store
         self.endpoints = endpoints
         self.status = status
-        self.on_policy_version = on_policy_version
         self.on_run = on_run
         self._barrier: dict | None = None  # what the proxy's wait before this call found (set per call)
 
@@ -132,9 +130,7 @@ class Handlers:
         if since is not None and since > time.time():
             raise BadInput("field 'since' is a time already past (epoch seconds): calls are stamped by when they started")
         self.store.set_policy_version(data["policy_version"], since=since)
-        version = self.store.policy_version()
-        self.on_policy_version(version)
-        return 200, {"policy_version": version}
+        return 200, {"policy_version": self.store.policy_version()}
 
     def start_trajectory(self, body):
         data = check(json_object(body), TRAJECTORY_FIELDS)

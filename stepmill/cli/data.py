@@ -21,12 +21,18 @@ from stepmill.cli.stores import open_reader, open_writer
 @click.command()
 @db_option
 @json_option
-def stats(db, as_json):
-    """Counts per api, model and status; trajectories; tokens; token fidelity."""
+@click.option("--proxy", "proxy_url", metavar="URL",
+              help="A running stepmill proxy (http://host:port): its capture too, from its /v1/health: whether each "
+                   "worker's handoff thread, writer and state watch live, and the calls it dropped.")
+@confdir_option
+def stats(db, as_json, proxy_url, confdir):
+    """Counts per api, model and status; trajectories; tokens; token fidelity; calls kept unread."""
     from stepmill.pipeline import journal
 
     store = open_reader(db)
     data = journal.stats_with_backlog(store)
+    if proxy_url:
+        data["capture"] = _proxy_capture(proxy_url, confdir)
     if as_json:
         click.echo(json.dumps(data, indent=2))
         return
@@ -54,6 +60,37 @@ def stats(db, as_json):
     if backlog["uncommitted_bytes"]:
         click.echo(f"not yet committed: {backlog['uncommitted_bytes']} bytes of calls in {backlog['journals']} "
                    "journal(s); a running proxy commits them when the file takes writes, or the next start does")
+    if data["unreadable_calls"]:
+        click.echo(f"unreadable calls: {data['unreadable_calls']}, kept as error steps (the proxy's log says why)")
+    if proxy_url:
+        click.echo(_capture_line(data["capture"]))
+
+
+def _proxy_capture(url: str, confdir: str) -> dict:
+    """The capture section of a running proxy's health; ``{"error": ...}`` when it does not answer it."""
+    from stepmill.client import ControlError, StepmillClient
+
+    try:
+        return StepmillClient(proxy=url, confdir=confdir, timeout=10).health().get("capture") or {}
+    except (ControlError, OSError, ValueError) as exc:
+        return {"error": f"the proxy at {url} did not answer its health: {exc}"}
+
+
+def _capture_line(capture: dict) -> str:
+    """One line per worker: which of its threads live, and the calls it could not keep."""
+    if "error" in capture:
+        return f"capture: {capture['error']}"
+    lines = []
+    for worker in capture.get("workers") or [capture]:
+        if "threads" not in worker:
+            lines.append(f"capture, worker {worker.get('worker', 0)}: no answer ({worker.get('error', 'not started')})")
+            continue
+        threads = ", ".join(f"{name.replace('_', ' ')} {'alive' if thread['alive'] else 'DEAD'}"
+                            + (f" ({thread['error']})" if thread.get("error") else "")
+                            for name, thread in worker["threads"].items())
+        lines.append(f"capture, worker {worker.get('worker', 0)}: {threads}; dropped {worker.get('dropped', 0)}, "
+                     f"journaled without bodies {worker.get('not_cleaned', 0)}")
+    return "\n".join(lines)
 
 
 @click.command()

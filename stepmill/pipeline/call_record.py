@@ -1,13 +1,13 @@
-"""The record of one finished call, as the event loop hands it to the pipeline.
+"""The record of one finished call: built once on the event loop, enriched off it, mapped to a step.
 
-Built on the event loop (references to facts the hooks already know; nothing is parsed there),
-read off it: by the handoff thread, which cleans it and appends it to the journal, and by the
-writer, which reads it back from the journal and records the step. It is written to the
-journal's bytes and read from them here, and only here.
+Built on the event loop (references to facts the hooks already know; nothing is parsed there) and
+handed over with the call's bodies. The handoff thread cleans it (bodies decoded and redacted: it
+says what could not be, and what was cut) and appends it to the journal; the writer reads it back,
+stamps the policy version in effect when the call started, notes when the first output arrived, and
+``recording`` maps it to the steps row. It is written to the journal's bytes and read from them
+here, and only here.
 
-A journal entry's header is JSON. Version 2 (``VERSION``) nests the call under ``"call"`` and
-says its version; entries left by the previous release are flat dicts without a version, and
-are still read (a journal left on disk by it replays).
+A journal entry's header is JSON: ``{"version": 2, "kind": ..., "call": {...}, ...}``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 
 from stepmill import tags as tagging
 from stepmill.pipeline.journal import decode_entry, entry_parts
-from stepmill.protocols import protocols
-from stepmill.protocols.openai_chat import CHAT
 
 VERSION = 2
 KINDS = ("http", "sse", "websocket", "failure")  # a whole body, a tapped stream, a WebSocket turn, a hook that failed
+TRANSPORTS = {"sse": "sse", "websocket": "websocket"}  # a step's transport by kind; anything else is http
 
 
 @dataclass
@@ -52,18 +51,18 @@ class CallRecord:
     call: Call
     started: float = 0.0  # the request's first byte (a WebSocket turn: its response.create frame)
     ended: float | None = None
-    version: int = VERSION
     # Set on the loop
     render_with: str | None = None  # a vLLM engine's root, whose /tokenize renders ids the call did not give
-    policy_version: str | None = None
     keep_raw: bool = False
     max_body: int | None = None  # bytes kept of a body (stepmill_max_body); 0 or None: no limit
     request_encoding: str | None = None  # Content-Encoding of blob 0; None once the handoff decoded it
     response_encoding: str | None = None  # Content-Encoding of blob 1; None once the handoff decoded it
     error: str | None = None  # the connection's error, or why a hook failed (kind "failure")
-    http_status: int | None = None
+    http_status: int | None = None  # a WebSocket turn: 101, its upgrade's
     websocket_upgrade: bool = False  # a WebSocket upgrade the upstream refused: recorded as HTTP
-    response_started: float | None = None  # a whole body's first byte (time to first token)
+    # When the first output arrived: a whole body's first byte (on the loop), a stream's or a turn's first
+    # output event (in the writer, which reassembles it): what time to first token is measured to.
+    response_started: float | None = None
     received: int | None = None  # response bytes the upstream sent, kept or not
     marks: list[tuple[int, float | None]] | None = None  # a stream's (end offset, time) per chunk
     notes: list[str] = field(default_factory=list)
@@ -73,13 +72,29 @@ class CallRecord:
     request_problem: str | None = None  # why blob 0 could not be decoded
     response_problem: str | None = None
     truncated: list[str] = field(default_factory=list)  # what was cut for recording (stepmill_max_body)
+    # Set by the writer: the version in effect when the call started, from the file's history (never
+    # the loop's: any worker, a replay, a version set a moment ago all give the same answer)
+    policy_version: str | None = None
+
+    @property
+    def transport(self) -> str:
+        return TRANSPORTS.get(self.kind, "http")
+
+    def raw_bodies(self, blobs: list[bytes]) -> tuple[bytes | None, bytes | None]:
+        """(request, response) as a step keeps them raw: a WebSocket turn's response is its server frames."""
+        if self.kind == "websocket":
+            return (blobs[0] if blobs else None), b"\n".join(blobs[i] for _, i in self.frames if i < len(blobs))
+        return (blobs[0] if blobs else None), (blobs[1] if len(blobs) > 1 else None)
 
     # -- the journal's bytes -------------------------------------------------------------------
     def to_header(self) -> dict:
         """The JSON header of the journal entry; fields at their defaults are left out."""
-        out: dict = {"version": VERSION, "kind": self.kind, "call": _call_header(self.call)}
+        call, tags = self.call, self.call.tags
+        out: dict = {"version": VERSION, "kind": self.kind, "call": {
+            **{f.name: getattr(call, f.name) for f in dataclasses.fields(Call) if f.name != "tags"},
+            "tags": [tags.trajectory_id, tags.group_id, tags.channel]}}  # the secret never goes to the journal
         for f in dataclasses.fields(self):
-            if f.name in ("version", "kind", "call"):
+            if f.name in ("kind", "call"):
                 continue
             value = getattr(self, f.name)
             if value is None or value is False or (isinstance(value, list) and not value and f.name != "marks"):
@@ -89,32 +104,19 @@ class CallRecord:
 
     @classmethod
     def from_header(cls, header: dict) -> "CallRecord":
-        """A journal entry's header, of this version or of the previous release (flat, no version)."""
-        version = header.get("version")
-        if version is None:  # the previous release: the call's fields at the top
-            call = _call_from(header)
-            version = 1
-        else:
-            call = _call_from(header.get("call") or {})
-        marks = header.get("marks")
-        notes = list(header.get("notes") or [])
-        if call.engine_api is None and call.api == CHAT and notes:
-            # journaled before engine_api: a translated call was the engine's chat exchange, and only its note
-            # said whose call it was
-            call.api, call.engine_api = _translated_from(notes) or (call.api, None)
-        return cls(
-            kind=header.get("kind") or "http", call=call, started=header.get("started") or 0.0,
-            ended=header.get("ended"), version=version, render_with=header.get("render_with"),
-            policy_version=header.get("policy_version"), keep_raw=bool(header.get("keep_raw")),
-            max_body=header.get("max_body"), request_encoding=header.get("request_encoding"),
-            response_encoding=header.get("response_encoding"), error=header.get("error"),
-            http_status=header.get("http_status"), websocket_upgrade=bool(header.get("websocket_upgrade")),
-            response_started=header.get("response_started"), received=header.get("received"),
-            marks=None if marks is None else [(end, at) for end, at in marks],
-            notes=notes, cut=header.get("cut"),
-            frames=[(at, index) for at, index in header.get("frames") or []],
-            request_problem=header.get("request_problem"), response_problem=header.get("response_problem"),
-            truncated=list(header.get("truncated") or []))
+        """A journal entry's header (``VERSION``); ValueError for one that is not."""
+        if not isinstance(header, dict) or header.get("version") != VERSION or not isinstance(header.get("call"), dict):
+            raise ValueError(f"not a version {VERSION} call record: {str(header)[:200]}")
+        given = header["call"]
+        call = Call(**{f.name: given.get(f.name) for f in dataclasses.fields(Call) if f.name != "tags"},
+                    tags=tagging.Tags(*(given.get("tags") or [None, None, None])[:3]))
+        known = {f.name for f in dataclasses.fields(cls)} - {"kind", "call"}
+        record = cls(kind=header.get("kind") or "http", call=call,
+                     **{name: value for name, value in header.items() if name in known})
+        if record.marks is not None:
+            record.marks = [(end, at) for end, at in record.marks]
+        record.frames = [(at, index) for at, index in record.frames]
+        return record
 
     def entry_parts(self, blobs: list) -> list:
         """The journal entry of this record and its blobs, as buffers for one writev."""
@@ -122,28 +124,6 @@ class CallRecord:
 
     @classmethod
     def from_entry(cls, payload: bytes | memoryview) -> tuple["CallRecord", list[bytes]]:
+        """A journal entry's record and blobs; ValueError (or another exception) for an entry that is not one."""
         header, blobs = decode_entry(payload)
         return cls.from_header(header), blobs
-
-
-def _call_header(call: Call) -> dict:
-    return {"api": call.api, "host": call.host, "path": call.path,
-            "tags": [call.tags.trajectory_id, call.tags.group_id, call.tags.channel],
-            "session_id": call.session_id, "headers": call.headers, "client_conn": call.client_conn,
-            "default_channel": call.default_channel, "engine_api": call.engine_api}
-
-
-def _translated_from(notes: list[str]) -> tuple[str, str] | None:
-    """(the agent's api, the engine's) of a call an earlier release journaled as the engine's chat exchange."""
-    for protocol in protocols():
-        if protocol.via_chat is not None and protocol.via_chat.NOTE in notes:
-            return protocol.api, CHAT
-    return None
-
-
-def _call_from(header: dict) -> Call:
-    tags = header.get("tags") or [None, None, None]
-    return Call(api=header.get("api") or "", host=header.get("host") or "", path=header.get("path") or "",
-                tags=tagging.Tags(*tags), session_id=header.get("session_id"), headers=header.get("headers"),
-                client_conn=header.get("client_conn"), default_channel=header.get("default_channel"),
-                engine_api=header.get("engine_api"))

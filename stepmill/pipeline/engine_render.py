@@ -34,11 +34,10 @@ def _blank(token: str) -> bool:
     return not token.strip() or set(token) <= BYTE_LEVEL_BLANKS | {" ", "\n", "\t"}
 
 
-def render(base: str, request_body: bytes, wire_completion: list) -> tuple[list[int], list[int], str]:
-    """(prompt ids, response ids, note) from the engine at ``base``, for a Messages exchange
-    (``wire_completion``: the answer as the protocol carries it, one assistant message); ValueError or
-    OSError when it cannot."""
-    body = json.loads(request_body)
+def render(base: str, body: dict, wire_completion: list) -> tuple[list[int], list[int], str]:
+    """(prompt ids, response ids, note) from the engine at ``base``, for a Messages exchange (``body``: its
+    request as the writer parsed it; ``wire_completion``: the answer as the protocol carries it, one
+    assistant message); ValueError or OSError when it cannot."""
     chat = messages_via_chat.request_to_chat(body)
     reply = messages_via_chat.messages_of({"messages": wire_completion})
     common = {"model": body.get("model"), **({"tools": chat["tools"]} if chat.get("tools") else {})}

@@ -19,7 +19,7 @@ import threading
 import time
 
 from stepmill.protocols.streams import decode_kept
-from stepmill.pipeline.call_record import CallRecord
+from stepmill.pipeline.call_record import Call, CallRecord
 from stepmill.pipeline.journal import Journal
 from stepmill.pipeline.redaction import redact_bytes, redact_text
 
@@ -28,6 +28,7 @@ log = logging.getLogger("stepmill")
 BATCH_WAIT = 0.1  # seconds a woken writer waits for more calls: the handoff wakes it at most this often
 RETRY_WAIT = 0.5  # after the journal refused an append
 MEMORY_LIMIT = 256 * 1024 * 1024  # calls waiting for the journal (a full disk) at most, in bytes
+CLEAN_FAILED = "stepmill could not clean this call for recording"
 
 
 def redact_record(record: CallRecord) -> CallRecord:
@@ -50,10 +51,11 @@ class Handoff:
         self.notify = notify  # called after appends: wakes the writer
         self.memory_limit = memory_limit
         self.queue: collections.deque = collections.deque()
-        self.memory = 0  # bytes waiting: added on the loop, taken off on the handoff thread, under _bound
-        self._bound = threading.Lock()
-        self.dropped = 0
+        self._bound = threading.Lock()  # held for every read and write of memory and dropped
+        self.memory = 0  # bytes waiting: added on the loop, taken off on the handoff thread
+        self.dropped = 0  # calls not kept: the journal refused appends and memory was full
         self.appended = 0
+        self.not_cleaned = 0  # calls journaled without their bodies: cleaning them failed
         self.failing: str | None = None  # why the journal does not take appends now
         self.delays: collections.deque = collections.deque(maxlen=1000)  # call end → in the journal, seconds
         self._notified = 0.0
@@ -63,18 +65,20 @@ class Handoff:
         self.thread.start()
 
     def submit(self, record: CallRecord, blobs: list[bytes]) -> None:
-        """On the event loop: O(1), no I/O."""
+        """On the event loop: O(1), no I/O (but a log line for a call dropped over the memory bound)."""
         limit = record.max_body or None  # what is kept of a larger body: never dropped for its size
         size = sum(min(len(b), limit) if limit else len(b) for b in blobs)
         with self._bound:
             over = self.memory + size > self.memory_limit
-            if not over:
+            if over:  # the journal has refused appends for long: memory is the last bound
+                self.dropped += 1
+                dropped, waiting = self.dropped, self.memory
+            else:
                 self.memory += size
-        if over:  # the journal has refused appends for long: memory is the last bound
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 100 == 0:
-                log.error(f"stepmill: {self.dropped} call(s) dropped: the journal takes no appends "
-                          f"({self.failing}) and {self.memory} bytes wait in memory already")
+        if over:
+            if dropped == 1 or dropped % 100 == 0:  # a full disk drops many: the first, then every 100th
+                log.error(f"stepmill: dropped a call to {record.call.host}{record.call.path} ({dropped} so far): "
+                          f"the journal takes no appends ({self.failing}) and {waiting} bytes wait in memory already")
             return
         self.queue.append((record, blobs, size))
         self._wake.set()
@@ -84,8 +88,9 @@ class Handoff:
             try:
                 if self._pass():
                     return
-            except Exception:  # never ends silently: every later call would stay in memory only
+            except Exception as exc:  # never ends silently: every later call would stay in memory only
                 log.exception("stepmill: the handoff failed; it goes on")
+                self.failing = f"{type(exc).__name__}: {exc}"  # health says why calls wait; cleared by an append
                 time.sleep(RETRY_WAIT)
 
     def _pass(self) -> bool:
@@ -95,10 +100,11 @@ class Handoff:
         while self.queue:
             batch = list(itertools.islice(self.queue, 256))  # the loop only appends on the right
             # Secrets never reach the disk, the journal included (a few ms per MB, off the loop).
-            data = []
+            data, not_cleaned = [], 0
             for record, blobs, _ in batch:
-                cleaned, kept = self.clean_or_keep(record, blobs)
-                data += cleaned.entry_parts(kept)
+                parts, cleaned = self._entry(record, blobs)
+                data += parts
+                not_cleaned += not cleaned
             try:
                 self.journal.append(data)  # one write() for the batch
             except OSError as exc:
@@ -116,6 +122,7 @@ class Handoff:
                     self.memory -= size
                 self.delays.append(now - (record.ended or now))
             self.appended += len(batch)
+            self.not_cleaned += not_cleaned  # counted once journaled: a refused batch is cleaned again
             # One wake-up per BATCH_WAIT is enough: a woken writer waits that long before it reads
             # the journal, so it also sees what was appended since.
             if time.monotonic() - self._notified >= BATCH_WAIT or self._stop:
@@ -123,17 +130,32 @@ class Handoff:
                 self.notify()
         return self._stop and not self.queue
 
-    @classmethod
-    def clean_or_keep(cls, record: CallRecord, blobs: list) -> tuple[CallRecord, list[bytes]]:
-        """``clean``; should it fail, the call is kept all the same, without its bodies (nothing
-        unredacted reaches the disk), and its record says why: the writer stores it as an error step."""
+    def _entry(self, record: CallRecord, blobs: list) -> tuple[list, bool]:
+        """The journal entry of one call and whether it was cleaned (else it is kept without its bodies);
+        never raises: one call cannot hold up the ones after it."""
         try:
-            return cls.clean(record, blobs)
+            cleaned, kept = self.clean(record, blobs)
+            return cleaned.entry_parts(kept), True
         except Exception as exc:
-            log.exception(f"stepmill: could not clean a call to {record.call.host}{record.call.path}; kept without bodies")
-            note = f"stepmill could not clean this call for recording ({type(exc).__name__}); its bodies were not kept"
-            return redact_record(dataclasses.replace(record, error=note, notes=list(record.notes) + [note])), \
-                [b"" for _ in blobs[:2]]
+            log.exception(f"stepmill: could not clean a call to {record.call.host}{record.call.path}; "
+                          "kept without its bodies")
+            return self.kept_without_bodies(record, blobs, exc), False
+
+    @staticmethod
+    def kept_without_bodies(record: CallRecord, blobs: list, exc: Exception) -> list:
+        """The entry of a call that could not be cleaned: as it came but without its bodies (nothing
+        unredacted reaches the disk), its record saying why; the writer stores it as an error step. Should
+        even its record not be written (a header that is no JSON), only who made it and where it went."""
+        note = f"{CLEAN_FAILED} ({type(exc).__name__}); its bodies were not kept"
+        try:
+            return redact_record(dataclasses.replace(
+                record, error=f"{note}; {record.error}" if record.error else note,
+                notes=list(record.notes) + [note])).entry_parts([b"" for _ in blobs])
+        except Exception:
+            call = record.call
+            return CallRecord(kind="failure", call=Call(api=str(call.api), host=str(call.host), path=str(call.path)),
+                              started=record.started if isinstance(record.started, (int, float)) else 0.0,
+                              error=note).entry_parts([b"", b""])
 
     @staticmethod
     def clean(record: CallRecord, blobs: list) -> tuple[CallRecord, list[bytes]]:
@@ -179,10 +201,18 @@ class Handoff:
         self._wake.set()
         self.thread.join(timeout)
 
+    def counts(self) -> dict:
+        """Calls journaled, dropped and journaled without bodies so far (cheap: the loop may ask)."""
+        with self._bound:
+            dropped = self.dropped
+        return {"journaled": self.appended, "dropped": dropped, "not_cleaned": self.not_cleaned}
+
     def status(self) -> dict:
         delays = sorted(self.delays)
-        return {"in_memory": len(self.queue), "in_memory_bytes": self.memory, "dropped": self.dropped,
-                "journaled": self.appended, "journal_error": self.failing,
+        with self._bound:
+            memory = self.memory
+        return {"in_memory": len(self.queue), "in_memory_bytes": memory, **self.counts(),
+                "journal_error": self.failing,
                 "journal_delay_ms": {"p50": round(delays[len(delays) // 2] * 1000, 3),
                                      "p99": round(delays[int(len(delays) * 0.99)] * 1000, 3),
                                      "max": round(delays[-1] * 1000, 3)} if delays else None}

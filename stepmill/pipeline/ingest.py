@@ -1,14 +1,16 @@
 """Off the event loop, in the writer (a thread or its own process): a finished exchange, as the
 proxy kept it, becomes step records.
 
-The proxy hands over bytes and a few facts (a ``CallRecord``: who, when, which tags); everything
-else happens here: decoding bodies, parsing each protocol, reassembling streams and
+The proxy hands over bytes and a few facts (a ``CallRecord``: who, when, which tags), and the
+handoff decoded and redacted the bodies before the journal: they arrive here plain, and are never
+decoded again. Everything else happens here: parsing each protocol, reassembling streams and
 WebSocket turns, resolving Responses chains, and the write with its fallbacks.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -16,17 +18,12 @@ from stepmill.errors import StoreUnavailable
 from stepmill.store import Store
 from stepmill.protocols import Completion, ParsedRequest, Protocol, ProtocolError, by_api
 from stepmill.protocols.base import load_json_object
-from stepmill.protocols.streams import assemble, decode_kept
+from stepmill.protocols.streams import assemble
 from stepmill.pipeline import engine_render
 from stepmill.pipeline import recording
 from stepmill.pipeline.call_record import Call, CallRecord
 
-
-
-def decoded(raw: bytes, content_encoding: str | None) -> tuple[bytes, str | None]:
-    """A body the handoff left encoded (journals written before it decoded): the one decoder, whole."""
-    data, _, problem, _ = decode_kept(raw, content_encoding)
-    return data, problem
+log = logging.getLogger("stepmill")
 
 
 class Ingest:
@@ -34,27 +31,26 @@ class Ingest:
         self.store = store
         # Responses that primed a WebSocket (generate: false) are no steps, but later turns chain to them.
         self.warmups: OrderedDict[str, tuple[list, list]] = OrderedDict()
+        self.unreadable = 0  # calls kept as error steps because reading them raised (a parser's bug)
 
     def handle(self, record: CallRecord, blobs: list[bytes]) -> str:
-        """Record one finished exchange. Never raises but for the store's environment (locked, full)."""
+        """Record one finished exchange (both halves at once)."""
         return self.prepare(record, blobs)()
 
     def prepare(self, record: CallRecord, blobs: list[bytes]) -> Callable[[], str]:
-        """The CPU-heavy half (decoding, parsing, reassembling), done outside any transaction; returns
-        the other half, the write (linking, chains, SQLite), for the writer's transaction."""
-        call = record.call
+        """The CPU-heavy half (parsing, reassembling), done outside any transaction; returns the other
+        half, the write (linking, chains, SQLite), for the writer's transaction. Neither raises but for
+        the store's environment (locked, full): a call that cannot be read is an error step."""
         try:
             if record.kind == "websocket":
-                write = self._turn(call, record, blobs)
+                write = self._turn(record, blobs)
             elif record.kind == "failure":
                 problems = [record.error or "stepmill failed", *record.truncated,
                             record.request_problem, record.response_problem]
-                write = functools.partial(
-                    recording.save_bare, self.store, call.api, "; ".join(p for p in problems if p),
-                    started=record.started, transport="http", raw_request=blobs[0],
-                    raw_response=blobs[1] if len(blobs) > 1 else None, call=call)
+                write = functools.partial(recording.save_bare, self.store, record, blobs,
+                                          "; ".join(p for p in problems if p))
             else:
-                write = self._http(call, record, blobs)
+                write = self._http(record, blobs)
         except Exception as exc:
             return functools.partial(self._unreadable, record, blobs, exc)
         return functools.partial(self._write, write, record, blobs)
@@ -68,10 +64,17 @@ class Ingest:
             return self._unreadable(record, blobs, exc)
 
     def _unreadable(self, record: CallRecord, blobs: list[bytes], exc: Exception) -> str:
-        return recording.save_bare(self.store, record.call.api, f"stepmill could not read this call: "
-                                   f"{type(exc).__name__}: {exc}", started=record.started,
-                                   transport=record.kind or "http", raw_request=blobs[0] if blobs else None,
-                                   raw_response=blobs[1] if len(blobs) > 1 else None, call=record.call)
+        self.unreadable += 1
+        log.warning(f"stepmill: could not read a call to {record.call.host}{record.call.path} "
+                    f"({type(exc).__name__}: {exc}); kept as an error step")
+        return recording.save_bare(self.store, record, blobs,
+                                   f"stepmill could not read this call: {type(exc).__name__}: {exc}")
+
+    def unreadable_entry(self, problem: str) -> str:
+        """A journal entry that is no call record (nothing in it is trusted): an error step that says why."""
+        self.unreadable += 1
+        log.warning(f"stepmill: could not read a journal entry ({problem}); kept as an error step")
+        return recording.save_unreadable_entry(self.store, f"stepmill could not read this journal entry: {problem}")
 
     # -- HTTP and SSE -----------------------------------------------------------------------
     @staticmethod
@@ -82,25 +85,21 @@ class Ingest:
             raise ProtocolError(f"no protocol {call.wire_api!r} is installed (an entry point of stepmill.protocols)")
         return protocol
 
-    def _http(self, call: Call, record: CallRecord, blobs: list[bytes]) -> Callable[[], str]:
+    def _http(self, record: CallRecord, blobs: list[bytes]) -> Callable[[], str]:
+        call = record.call
         protocol = self._protocol(call)
         api = protocol.api
         raw_request, raw_response = blobs[0], blobs[1] if len(blobs) > 1 else b""
-        request_body, problem = decoded(raw_request, record.request_encoding)
-        problem = record.request_problem or problem  # the handoff could not decode it
-        request, parse_error = None, problem
+        request, body, parse_error = None, None, record.request_problem  # the handoff could not decode it
         if record.websocket_upgrade:
             parse_error = None  # a refused upgrade: the GET has no body to parse
-        elif not problem:
-            request, _, parse_error = recording.parse_request(protocol, request_body)
+        elif not parse_error:
+            request, body, parse_error = recording.parse_request(protocol, raw_request)
             if request is not None and protocol.from_path is not None:  # a protocol that names the model in the path
                 protocol.from_path(request, call.path)
-        notes = list(record.notes)
         error = record.error
-        ttft = None
         if record.kind == "sse":
-            result = assemble(protocol.StreamAssembler(api), raw_response, record.marks or [],
-                              record.response_encoding, protocol.split)
+            result = assemble(protocol.StreamAssembler(api), raw_response, record.marks or [], None, protocol.split)
             completion = result.completion
             if error and not result.terminal:
                 # Clients close (or reset an HTTP/2 stream) right after the last event: only a stream
@@ -110,26 +109,19 @@ class Ingest:
             if record.response_problem:
                 completion.status = "error"
                 completion.error = "; ".join(e for e in (record.response_problem, completion.error) if e)
-            if result.first_output_at:
-                ttft = (result.first_output_at - record.started) * 1000
-            transport = "sse"
+            record.response_started = result.first_output_at
         else:
-            transport = "http"
-            if record.response_started:
-                ttft = (record.response_started - record.started) * 1000
-            body, problem = decoded(raw_response, record.response_encoding)
-            problem = record.response_problem or problem
             status = record.http_status
             if error and status is None:
                 completion = Completion(status="error", error=error)
             elif status is not None and status >= 400:
                 completion = Completion(status="error", error=f"upstream answered {status}: "
-                                        f"{body[:2000].decode('utf-8', 'replace')}")
-            elif problem:
-                completion = Completion(status="error", error=problem)
+                                        f"{raw_response[:2000].decode('utf-8', 'replace')}")
+            elif record.response_problem:
+                completion = Completion(status="error", error=record.response_problem)
             else:
                 try:
-                    payload = protocol.load_response(body, "response body")
+                    payload = protocol.load_response(raw_response, "response body")
                 except ProtocolError as exc:
                     completion = Completion(status="error", error=str(exc))
                 else:
@@ -141,12 +133,12 @@ class Ingest:
             if completion.status == "ok":
                 completion.status = "incomplete"
             completion.error = f"{cut}; {completion.error}" if completion.error else cut
-        completion.notes = list(completion.notes) + notes
-        if record.render_with and request is not None and completion.status == "ok" \
+        completion.notes = list(completion.notes) + list(record.notes)
+        if record.render_with and body is not None and completion.status == "ok" \
                 and completion.response_ids is None:
             try:  # a network call, here before the transaction, never inside it
                 completion.prompt_ids, completion.response_ids, note = engine_render.render(
-                    record.render_with, request_body, completion.wire)
+                    record.render_with, body, completion.wire)
                 completion.token_provenance = "rendered"
                 completion.notes.append(note)
             except Exception as exc:
@@ -154,40 +146,32 @@ class Ingest:
 
         def write() -> str:
             messages, wire = self.resolve_chain(request) if request is not None else ([], [])
-            return recording.record_call(
-                self.store, call, request, parse_error, completion, messages, wire, transport=transport,
-                started=record.started, ended=record.ended or record.started, ttft_ms=ttft,
-                http_status=record.http_status, policy_version=record.policy_version,
-                keep_raw=record.keep_raw, raw_request=raw_request, raw_response=raw_response)
+            return recording.record_call(self.store, record, blobs, request, parse_error, completion, messages, wire)
         return write
 
     # -- WebSocket turns ------------------------------------------------------------------------
-    def _turn(self, call: Call, record: CallRecord, blobs: list[bytes]) -> Callable[[], str]:
-        frames = record.frames  # (time, blob index) of the server frames; blob 0 is the request
-        raw_request = blobs[0]
+    def _turn(self, record: CallRecord, blobs: list[bytes]) -> Callable[[], str]:
         request, parse_error = None, None
-        protocol = self._protocol(call)  # Responses: the one protocol with WebSocket turns
+        protocol = self._protocol(record.call)  # Responses: the one protocol with WebSocket turns
         try:
-            payload = load_json_object(raw_request, "response.create frame")
+            payload = load_json_object(blobs[0], "response.create frame")
             request = protocol.parse_request(payload, protocol.api)
         except Exception as exc:
             parse_error = f"response.create does not have the Responses shape: {type(exc).__name__}: {exc}"
         assembler = protocol.StreamAssembler(protocol.api)
-        first_output_at = None
-        for at, index in frames:
+        for at, index in record.frames:  # (time, blob index) of the server frames; blob 0 is the request
             try:
                 assembler.feed(None, blobs[index].decode("utf-8", "replace"))
             except Exception as exc:
                 assembler.notes.append(f"unparsed frame {blobs[index][:200]!r}: {exc}")
-            if first_output_at is None and assembler.output_started:
-                first_output_at = at
+            if record.response_started is None and assembler.output_started:
+                record.response_started = at
         completion = assembler.finish()
         cut = record.cut
         if cut and completion.status == "ok":
             completion.status, completion.error = "incomplete", cut
         elif cut:
             completion.error = f"{completion.error}; {cut}" if completion.error else cut
-        ttft = (first_output_at - record.started) * 1000 if first_output_at else None
 
         def write() -> str:
             if request is not None and not request.generate:
@@ -198,11 +182,7 @@ class Ingest:
                         self.warmups.popitem(last=False)
                 return "warmup"
             messages, wire = self.resolve_chain(request) if request is not None else ([], [])
-            return recording.record_call(
-                self.store, call, request, parse_error, completion, messages, wire, transport="websocket",
-                started=record.started, ended=record.ended or record.started, ttft_ms=ttft,
-                http_status=101, policy_version=record.policy_version, keep_raw=record.keep_raw,
-                raw_request=raw_request, raw_response=b"\n".join(blobs[i] for _, i in frames))
+            return recording.record_call(self.store, record, blobs, request, parse_error, completion, messages, wire)
         return write
 
     def resolve_chain(self, request: ParsedRequest) -> tuple[list, list]:

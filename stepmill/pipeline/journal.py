@@ -86,6 +86,9 @@ def journal_root(db_path: str | os.PathLike) -> Path:
     return Path(f"{os.fspath(db_path)}.journal")
 
 
+UNREADABLE_KEY = "calls_unreadable"  # in the store's state table: calls the writers kept as error steps, unread
+
+
 def state_key(journal_id: str) -> str:
     """Where a journal's committed position lives in the store's ``state`` table."""
     return f"journal:{journal_id}"
@@ -270,7 +273,8 @@ class Journal:
 def stats_with_backlog(store) -> dict:
     """``store.stats()`` with what its journals hold beyond the committed positions (`stepmill stats`, /v1/stats).
     The journals are the pipeline's files beside the database; the store knows only their positions."""
-    return {**store.stats(), "journal": backlog(store.path, store.journal_positions())}
+    return {**store.stats(), "journal": backlog(store.path, store.journal_positions()),
+            "unreadable_calls": int(store.get_state(UNREADABLE_KEY) or 0)}
 
 
 def backlog(db_path, positions: dict[str, str]) -> dict:

@@ -10,6 +10,7 @@ a full step, else an ``error`` step with what did parse and the raw bytes, else 
 from __future__ import annotations
 
 import logging
+import time
 
 from stepmill.errors import StoreUnavailable
 from stepmill.store import Store
@@ -18,7 +19,7 @@ from stepmill.store.records import StepRecord
 
 from stepmill.protocols import Completion, ParsedRequest, Protocol, ProtocolError
 from stepmill.protocols.base import load_json_object
-from stepmill.pipeline.call_record import Call
+from stepmill.pipeline.call_record import Call, CallRecord
 from stepmill.pipeline.redaction import redact_bytes, redact_json, redact_text
 
 log = logging.getLogger("stepmill")
@@ -54,13 +55,31 @@ def parse_response(protocol: Protocol, payload: dict) -> Completion:
                           response_id=response_id if isinstance(response_id, str) else None)
 
 
-def step_records(call: Call, request: ParsedRequest | None, parse_error: str | None, completion: Completion,
-                 messages: list, wire: list, *, notes: list[str], transport: str, started: float, ended: float,
-                 ttft_ms: float | None, http_status: int | None, policy_version: str | None, keep_raw: bool,
+def step_row(record: CallRecord, *, who: bool = True, **fields) -> StepRecord:
+    """The one mapping of a call's record to its steps row: who made the call, where it went and when,
+    and the writer's stamp; ``fields`` the rest (what parsed, or the error). ``who=False`` leaves out
+    everything the call's tags and headers said (the last resort, when even they cannot be written)."""
+    call = record.call
+    row = {"api": str(call.api), "transport": record.transport, "started_at": iso(record.started)}
+    if who:
+        ended = record.ended or record.started
+        row.update(
+            engine_api=call.engine_api, host=call.host, path=call.path, headers=call.headers,
+            trajectory_id=call.tags.trajectory_id, group_id=call.tags.group_id, channel=call.tags.channel,
+            default_channel=call.default_channel, client_conn=call.client_conn, session_id=call.session_id,
+            http_status=record.http_status, duration_ms=(ended - record.started) * 1000,
+            ttft_ms=(record.response_started - record.started) * 1000 if record.response_started else None,
+            policy_version=record.policy_version)
+    row.update(fields)
+    return StepRecord(**row)
+
+
+def step_records(record: CallRecord, request: ParsedRequest | None, parse_error: str | None,
+                 completion: Completion, messages: list, wire: list, *, notes: list[str],
                  raw_request: bytes | None, raw_response: bytes | None) -> list[StepRecord]:
     """One record per choice (n > 1 gives several rollouts of one prompt)."""
     choices = [completion] + list(completion.alternatives)
-    keep_raw = keep_raw or bool(parse_error) or any(c.status != "ok" for c in choices) or bool(notes) \
+    keep_raw = record.keep_raw or bool(parse_error) or any(c.status != "ok" for c in choices) or bool(notes) \
         or bool(completion.notes)
     records = []
     for index, choice in enumerate(choices):
@@ -70,12 +89,8 @@ def step_records(call: Call, request: ParsedRequest | None, parse_error: str | N
         status, error = choice.status, choice.error
         if parse_error:  # a request that did not parse makes every choice of it an error
             status, error = "error", parse_error + (f"; {error}" if error else "")
-        records.append(StepRecord(
-            api=call.api,
-            engine_api=call.engine_api,
-            transport=transport,
-            host=call.host,
-            path=call.path,
+        records.append(step_row(
+            record,
             model=choice.model or (request.model if request else None),
             response_id=choice.response_id,
             params=redact_json(request.params) if request else {},
@@ -88,20 +103,11 @@ def step_records(call: Call, request: ParsedRequest | None, parse_error: str | N
             usage=choice.usage,
             status=status,
             error=redact_text(error),
-            http_status=http_status,
-            ttft_ms=ttft_ms,
-            duration_ms=(ended - started) * 1000,
-            started_at=iso(started),
-            headers=call.headers,
-            trajectory_id=call.tags.trajectory_id,
-            group_id=call.tags.group_id,
-            channel=call.tags.channel,
-            default_channel=call.default_channel,
-            client_conn=call.client_conn,
-            session_id=call.session_id or (request.session_id if request else None),
+            session_id=record.call.session_id or (request.session_id if request else None),
             previous_response_id=request.previous_response_id if request else None,
-            policy_version=policy_version,
             metadata=metadata or None,
+            # The journal holds bodies the handoff redacted; what is kept raw is redacted once more all
+            # the same: the last step before the database
             raw_request=redact_bytes(raw_request) if keep_raw and not index else None,
             raw_response=redact_bytes(raw_response) if keep_raw and not index else None,
             prompt_ids=choice.prompt_ids,
@@ -112,11 +118,10 @@ def step_records(call: Call, request: ParsedRequest | None, parse_error: str | N
     return records
 
 
-def record_call(store: Store, call: Call, request: ParsedRequest | None, parse_error: str | None,
-                completion: Completion, messages: list, wire: list, *, transport: str, started: float, ended: float,
-                ttft_ms: float | None, http_status: int | None, policy_version: str | None, keep_raw: bool,
-                raw_request: bytes | None, raw_response: bytes | None) -> str:
+def record_call(store: Store, record: CallRecord, blobs: list[bytes], request: ParsedRequest | None,
+                parse_error: str | None, completion: Completion, messages: list, wire: list) -> str:
     """Everything after the exchange: notes, records, the write with its fallbacks. Never raises."""
+    raw_request, raw_response = record.raw_bodies(blobs)
     try:
         notes = list(completion.notes)
         if request is not None and request.prompt_ids is not None:  # token in: the ids the engine was given
@@ -128,20 +133,14 @@ def record_call(store: Store, call: Call, request: ParsedRequest | None, parse_e
                          " the conversation starts at this request")
         if completion.prompt_ids is None and completion.response_ids is not None:
             notes.append("the engine returned response ids without prompt ids")
-        records = step_records(call, request, parse_error, completion, messages, wire, notes=notes,
-                               transport=transport, started=started, ended=ended, ttft_ms=ttft_ms,
-                               http_status=http_status, policy_version=policy_version, keep_raw=keep_raw,
+        records = step_records(record, request, parse_error, completion, messages, wire, notes=notes,
                                raw_request=raw_request, raw_response=raw_response)
     except Exception as exc:
-        return save_bare(store, call.api, f"stepmill could not read this call: {type(exc).__name__}: {exc}",
-                         started=started, transport=transport, raw_request=raw_request, raw_response=raw_response,
-                         call=call)
-    return save(store, records, call, started=started, transport=transport, raw_request=raw_request,
-                raw_response=raw_response)
+        return save_bare(store, record, blobs, f"stepmill could not read this call: {type(exc).__name__}: {exc}")
+    return save(store, records, record, blobs)
 
 
-def save(store: Store, records: list[StepRecord], call: Call, *, started: float, transport: str,
-         raw_request: bytes | None, raw_response: bytes | None) -> str:
+def save(store: Store, records: list[StepRecord], record: CallRecord, blobs: list[bytes]) -> str:
     """Write the records (all or none); on failure keep the call as an error step. Returns which layer held."""
     try:
         store.record_steps(records)
@@ -152,44 +151,39 @@ def save(store: Store, records: list[StepRecord], call: Call, *, started: float,
         problem = f"stepmill could not record this call as parsed ({type(exc).__name__}: {exc})"
     log.warning(f"stepmill: kept a call as an error step: {problem}")
     first = records[0] if records else None
+    raw_request, raw_response = record.raw_bodies(blobs)
     try:
-        store.record_step(StepRecord(
-            api=call.api, engine_api=call.engine_api, transport=transport, host=call.host, path=call.path,
-            status="error",
-            error=redact_text(problem), started_at=iso(started), headers=call.headers,
+        store.record_step(step_row(
+            record, status="error", error=redact_text(problem),
             model=first.model if first else None, response_id=first.response_id if first else None,
             messages=first.messages if first else [], wire_messages=first.wire_messages if first else [],
-            trajectory_id=call.tags.trajectory_id, group_id=call.tags.group_id, channel=call.tags.channel,
-            default_channel=call.default_channel, client_conn=call.client_conn,
-            raw_request=redact_bytes(raw_request), raw_response=redact_bytes(raw_response),
-        ))
+            raw_request=redact_bytes(raw_request), raw_response=redact_bytes(raw_response)))
         return "parsed"
     except StoreUnavailable:
         raise
     except Exception as exc:
         problem += f"; keeping what parsed failed too ({type(exc).__name__}: {exc})"
-    return save_bare(store, call.api, problem, started=started, transport=transport, raw_request=raw_request,
-                     raw_response=raw_response, call=call)
+    return save_bare(store, record, blobs, problem)
 
 
-def save_bare(store: Store, api: str, problem: str, *, started: float, transport: str,
-              raw_request: bytes | None, raw_response: bytes | None, call: Call | None = None) -> str:
+def save_bare(store: Store, record: CallRecord, blobs: list[bytes], problem: str) -> str:
     """Last resort: depends on nothing the call sent but its raw bytes, and on who made it (the flow's
     tags, never the parse) while that can be written; without them if even that fails."""
-    for who in ((call, None) if call is not None else (None,)):
+    raw_request, raw_response = record.raw_bodies(blobs)
+    for who in (True, False):
         try:
-            store.record_step(StepRecord(
-                api=str(api), transport=transport, status="error", error=redact_text(problem),
-                started_at=iso(started), raw_request=redact_bytes(raw_request), raw_response=redact_bytes(raw_response),
-                **({} if who is None else {
-                    "host": who.host, "path": who.path, "headers": who.headers, "engine_api": who.engine_api,
-                    "trajectory_id": who.tags.trajectory_id, "group_id": who.tags.group_id,
-                    "channel": who.tags.channel, "default_channel": who.default_channel,
-                    "client_conn": who.client_conn})))
+            store.record_step(step_row(record, who=who, status="error", error=redact_text(problem),
+                                       raw_request=redact_bytes(raw_request), raw_response=redact_bytes(raw_response)))
             return "bare"
         except StoreUnavailable:
             raise
         except Exception:
-            if who is None:
+            if not who:
                 log.exception("stepmill: could not record the failure either; the call is lost")
     return "lost"
+
+
+def save_unreadable_entry(store: Store, problem: str) -> str:
+    """A journal entry that is no call record: an error step that says so (nothing of it is trusted)."""
+    return save_bare(store, CallRecord(kind="failure", call=Call(api="unknown", host="", path=""), started=time.time()),
+                     [], problem)

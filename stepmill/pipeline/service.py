@@ -3,9 +3,9 @@
     event loop ──submit()──▶ handoff thread ──▶ journal ──▶ writer (a thread, or a process of its own) ──▶ store
 
 ``submit``, ``handed_off`` and ``flushed`` are called on the event loop and never block it;
-everything else runs off it: the handoff and writer threads (or process), and ``status`` and
-``close``, which the addon calls from its control thread or at shutdown. The addon reaches the
-store's file only through here (and ``state_watch``).
+everything else runs off it: the handoff and writer threads (or process), the state watch's thread,
+and ``status`` and ``close``, which the addon calls from its control thread or at shutdown. The
+addon reaches the store's file only through here.
 """
 
 from __future__ import annotations
@@ -13,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 
+from stepmill.auth.runs import Run
 from stepmill.errors import ConfigError
 from stepmill.store import Store
 from stepmill.pipeline.call_record import CallRecord
 from stepmill.pipeline.handoff import Handoff
-from stepmill.pipeline.journal import Journal
+from stepmill.pipeline.journal import UNREADABLE_KEY, Journal
+from stepmill.pipeline.state_watch import StateWatch
 from stepmill.pipeline.writer import PRIORITIES, ProcessWriter, ThreadWriter
 
 log = logging.getLogger("stepmill")
@@ -49,7 +52,13 @@ class Pipeline:
         self.writer = ThreadWriter(db_path, self.journal) if writer == "thread" else \
             ProcessWriter(db_path, self.journal, priority)
         self.handoff = Handoff(self.journal, self.writer.notify)
+        self.watch: StateWatch | None = None  # from watch_runs
         self.submitted = 0  # calls handed over by the loop (changed on the loop only)
+
+    def watch_runs(self, on_run: Callable[[Run], None]) -> None:
+        """Starts the state watch of this database: ``on_run`` is told of every run registered (or
+        revoked) by any process, those already there first, before this returns."""
+        self.watch = StateWatch(self.db_path, on_run=on_run)
 
     # -- on the event loop ----------------------------------------------------------------
     def submit(self, record: CallRecord, blobs: list[bytes]) -> None:
@@ -77,17 +86,30 @@ class Pipeline:
         return False
 
     # -- off the event loop ---------------------------------------------------------------
+    def threads(self) -> dict:
+        """Whether the handoff thread, the writer (thread or process) and the state watch live, and why
+        one is behind; from memory only (no file is read: the event loop may ask)."""
+        threads = {"handoff": {"alive": self.handoff.thread.is_alive(), "error": self.handoff.failing},
+                   "writer": self.writer.status()}
+        if self.watch is not None:  # started by the proxy (watch_runs), not by every user of a pipeline
+            threads["state_watch"] = self.watch.status()
+        return {"alive": all(thread["alive"] for thread in threads.values()), "threads": threads}
+
     def status(self) -> dict:
-        """The pipeline's state, for health and stats: writer, backlog in memory and in the journal."""
-        out = {"writer": self.writer_kind}
+        """The pipeline's state, for health and stats: whether its threads (and writer process) live, the
+        calls it could not keep or read, the backlog in memory and in the journal."""
+        out = {**self.threads(), "writer": self.writer_kind}
         if self.writer_kind != "thread":
             out["writer_priority"] = self.priority
         out.update(self.handoff.status())
+        out["unreadable_calls"] = int(self.store.get_state(UNREADABLE_KEY) or 0)  # by every writer of the file
         out["uncommitted_bytes"] = self.journal.backlog(self.journal.committed(self.store))
         return out
 
     def close(self) -> None:
         """Drains the handoff and the writer; a journal not wholly committed stays for the next start."""
+        if self.watch is not None:
+            self.watch.stop()
         self.handoff.close()
         self.writer.close()
         if not self.journal.retire(self.store):

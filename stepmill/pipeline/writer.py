@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
+import functools
 import logging
 import os
 import select
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from stepmill.errors import StoreUnavailable
@@ -31,7 +31,7 @@ from stepmill.store import Store
 from stepmill.pipeline.call_record import CallRecord
 from stepmill.pipeline.handoff import BATCH_WAIT
 from stepmill.pipeline.ingest import Ingest
-from stepmill.pipeline.journal import Journal, state_key
+from stepmill.pipeline.journal import UNREADABLE_KEY, Journal, state_key
 
 log = logging.getLogger("stepmill")
 
@@ -53,7 +53,7 @@ class Writer:
         self._stop = False
         self.committed = 0
         self.last_commit: float | None = None
-        self.failing: str | None = None
+        self.failing: str | None = None  # why the last batch did not commit (it is tried again)
         self._since_checkpoint = 0
 
     def wake(self) -> None:
@@ -91,22 +91,34 @@ class Writer:
         store.close()
 
     def _drain(self, store: Store, ingest: Ingest, journal: Journal) -> bool:
-        """One batch; True if there may be more."""
+        """One batch; True if there may be more. Never raises: what fails is logged, kept in ``failing``
+        and tried again (the calls wait in the journal)."""
+        counted = ingest.unreadable
         try:
             position = journal.committed(store)
             entries = list(journal.read(position, BATCH_BYTES))
             if not entries:
                 return False
             # Parsing first, outside the transaction: the write lock is held only for the SQL.
-            writes = [ingest.prepare(*stamped(store, *CallRecord.from_entry(payload))) for _, payload in entries]
+            writes = [self._prepare(store, ingest, payload) for _, payload in entries]
             with self.priority.raised(), store.batch():
                 for write in writes:
                     write()
+                if ingest.unreadable > counted:  # kept with the steps, so every process and `stepmill stats` see it
+                    store.set_state(UNREADABLE_KEY, str(int(store.get_state(UNREADABLE_KEY) or 0)
+                                                        + ingest.unreadable - counted))
                 store.set_state(state_key(journal.id), str(entries[-1][0]))
         except StoreUnavailable as exc:  # locked, full, read-only: the calls stay in the journal
+            ingest.unreadable = counted  # counted again when the batch is
             if self.failing is None:
                 log.warning(f"stepmill: the database takes no writes now ({exc}); calls stay in the journal")
             self.failing = str(exc)
+            return False
+        except Exception as exc:  # a bug, a journal that cannot be read: never the writer's silent end
+            ingest.unreadable = counted
+            if self.failing is None:
+                log.exception("stepmill: the writer failed; calls stay in the journal and it tries again")
+            self.failing = f"{type(exc).__name__}: {exc}"
             return False
         if self.failing is not None:
             log.warning("stepmill: the database takes writes again")
@@ -119,20 +131,25 @@ class Writer:
             self._checkpoint(store, "PASSIVE")
         return True
 
+    @staticmethod
+    def _prepare(store: Store, ingest: Ingest, payload: bytes) -> Callable[[], str]:
+        """One journal entry's write. An entry that is no call record is an error step that says so; a
+        call's policy version is the one in effect when it started, from the file's history: the same
+        answer whichever proxy process took the call, however recently the version was set, and again
+        when a journal is replayed."""
+        try:
+            record, blobs = CallRecord.from_entry(payload)
+        except Exception as exc:
+            return functools.partial(ingest.unreadable_entry, f"{type(exc).__name__}: {exc}")
+        record.policy_version = store.policy_version_at(record.started)
+        return ingest.prepare(record, blobs)
+
     def _checkpoint(self, store: Store, mode: str) -> None:
         self._since_checkpoint = 0
-        store.checkpoint(mode)  # False when a reader holds the WAL: the next batch tries again
-
-
-def stamped(store: Store, record: CallRecord, blobs: list) -> tuple[CallRecord, list]:
-    """The record with the policy version in effect when its call started, from the file's history:
-    the same answer whichever proxy process took the call, however recently the version was set, and
-    again when a journal is replayed (the version the event loop cached stays only on a record without a start)."""
-    if record.started:
-        version = store.policy_version_at(record.started)
-        if version != record.policy_version:
-            record = dataclasses.replace(record, policy_version=version)
-    return record, blobs
+        try:
+            store.checkpoint(mode)  # False when a reader holds the WAL: the next batch tries again
+        except Exception as exc:  # the WAL only grows until the next one: never the writer's end
+            log.warning(f"stepmill: the writer could not checkpoint the WAL ({type(exc).__name__}: {exc})")
 
 
 class ThreadWriter:
@@ -145,6 +162,9 @@ class ThreadWriter:
 
     def notify(self) -> None:
         self.writer.wake()
+
+    def status(self) -> dict:
+        return {"alive": self.thread.is_alive(), "error": self.writer.failing}
 
     def close(self, timeout: float = 30.0) -> None:
         self.writer.stop()
@@ -168,6 +188,10 @@ class ProcessWriter:
                 self.process.stdin.flush()
             except (BrokenPipeError, ValueError, OSError):
                 pass  # the writer is gone; the journal keeps the calls for the next one
+
+    def status(self) -> dict:
+        code = self.process.poll()
+        return {"alive": code is None, "error": None if code is None else f"the writer process exited ({code})"}
 
     def close(self, timeout: float = 30.0) -> None:
         try:
