@@ -25,7 +25,7 @@ from mitmproxy.proxy import mode_specs
 from stepmill.addon.loop_state import LoopState, hook_failed
 from stepmill.addon.siblings import Siblings
 from stepmill.api.control import ControlAPI, Endpoints
-from stepmill.auth.runs import Run
+from stepmill.auth.runs import RegisteredRun
 from stepmill.auth.write_token import ensure_token
 from stepmill.protocols.base import json_bytes
 
@@ -69,7 +69,7 @@ class ControlEndpoint:
             self.siblings = None
 
     # -- in the control thread ------------------------------------------------------------------
-    def _on_run(self, run: Run) -> None:
+    def _on_run(self, run: RegisteredRun) -> None:
         """A run registered here: this worker and every sibling check its credentials from the next call,
         whichever worker that call reaches (this loop and the siblings are told before the registration is
         answered)."""
@@ -177,7 +177,7 @@ class ControlEndpoint:
         return await self._local_barrier(message.get("trajectory"), time.monotonic() + BARRIER_TIMEOUT)
 
     async def _sibling_run(self, message: dict) -> dict:
-        self.state.runs.add(Run(**message["run"]))
+        self.state.runs.add(RegisteredRun(**message["run"]))
         return {"ok": True}
 
     async def _sibling_status(self, message: dict) -> dict:

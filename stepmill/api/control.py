@@ -16,7 +16,7 @@ from typing import Callable
 
 from stepmill.api import routes
 from stepmill.api.handlers import ApiError, Endpoints, Handlers
-from stepmill.auth.runs import Run
+from stepmill.auth.runs import RegisteredRun
 from stepmill.auth.write_token import bearer_matches
 from stepmill.errors import BadInput, ConfigError, StepmillError
 from stepmill.store import Store
@@ -29,7 +29,7 @@ UNAUTHORIZED = ("the control API needs the write token: Authorization: Bearer <t
 
 class ControlAPI(Handlers):
     def __init__(self, store: Store, endpoints: Callable[[], Endpoints] = Endpoints, *, token: str,
-                 status: Callable[[], dict] = dict, on_run: Callable[[Run], None] = lambda run: None):
+                 status: Callable[[], dict] = dict, on_run: Callable[[RegisteredRun], None] = lambda run: None):
         """``token``: what every call but anonymous health must carry; the rest as for ``Handlers``."""
         if not token:
             raise ConfigError("the control API needs a write token")

@@ -27,7 +27,7 @@ from stepmill.api.checks import (
     is_text,
     json_object,
 )
-from stepmill.auth.runs import Run
+from stepmill.auth.runs import RegisteredRun
 from stepmill.auth.secret_hashes import new_secret, secret_hash
 from stepmill.errors import BadInput, NotFound, StepmillError, StoreUnavailable
 from stepmill.pipeline.journal import stats_with_backlog
@@ -87,7 +87,7 @@ class Handlers:
     """The endpoints, by the names the route table gives them (``stepmill.api.routes``)."""
 
     def __init__(self, store: Store, endpoints: Callable[[], Endpoints] = Endpoints, *,
-                 status: Callable[[], dict] = dict, on_run: Callable[[Run], None] = lambda run: None):
+                 status: Callable[[], dict] = dict, on_run: Callable[[RegisteredRun], None] = lambda run: None):
         """``status``: the capture pipeline's state (its threads, what it could not keep or read, its
         backlog), for health and stats; ``on_run``: told of every registered run, so the proxy checks
         its credentials from the next call."""
@@ -170,8 +170,8 @@ class Handlers:
             row = self.store.register_run(tid, secret_hash(secret), door=data.get("door"), hosts=data.get("hosts"))
         except NotFound:
             raise NotFound(f"no trajectory {tid!r}") from None
-        self.on_run(Run(tid, row["group_id"], row["channel"], row["secret_hash"], row["rowid"], door=row["door"],
-                        hosts=tuple(row["hosts"])))
+        self.on_run(RegisteredRun(tid, row["group_id"], row["channel"], row["secret_hash"], row["rowid"],
+                                  door=row["door"], hosts=tuple(row["hosts"])))
         return 201, {**with_urls(self._trajectory(tid), self.endpoints(), secret), "secret": secret}
 
     def revoke_run(self, body, tid):
@@ -192,8 +192,8 @@ class Handlers:
             # the same; the revocation is recorded when asked again.
             unrecorded, row = exc, self.store.latest_run(tid)
         if row is not None:
-            self.on_run(Run(tid, row["group_id"], row["channel"], row["secret_hash"], row["rowid"], revoked=True,
-                            door=row.get("door")))
+            self.on_run(RegisteredRun(tid, row["group_id"], row["channel"], row["secret_hash"], row["rowid"],
+                                      revoked=True, door=row.get("door")))
         if unrecorded is not None:
             raise ApiError(503, f"run {tid!r} is revoked in the proxy but not recorded: {unrecorded}") from unrecorded
         return row

@@ -23,7 +23,11 @@ class Refused(Exception):
 
 
 @dataclass(frozen=True)
-class Run:
+class RegisteredRun:
+    """A run the runner registered with the proxy: whose calls its secret (or its door) admits, and
+    where they are recorded. (The runner's settings are ``RolloutSettings``; one agent's run is
+    ``stepmill.runner.agent_run``.)"""
+
     trajectory_id: str
     group_id: str | None
     channel: str | None
@@ -39,19 +43,19 @@ class Run:
 
 class RunTable:
     def __init__(self):
-        self.runs: dict[str, Run] = {}
+        self.runs: dict[str, RegisteredRun] = {}
         self.groups: set[str] = set()
         self.doors: dict[str, str] = {}  # door address -> the trajectory of the run behind it
         self.open_doors: set[str] = set()  # trajectories of sandboxed runs not yet ended
 
-    def add(self, run: Run) -> None:
+    def add(self, run: RegisteredRun) -> None:
         known = self.runs.get(run.trajectory_id)
         if known is not None and known.rowid > run.rowid:
             return  # read late from the file: the newer registration (a rerun's secret) stands
         if known is not None and known.door and self.doors.get(known.door) == run.trajectory_id:
             del self.doors[known.door]
         if isinstance(run.hosts, list):
-            run = Run(**{**run.__dict__, "hosts": tuple(run.hosts)})
+            run = RegisteredRun(**{**run.__dict__, "hosts": tuple(run.hosts)})
         self.runs[run.trajectory_id] = run
         if run.door:
             self.doors[run.door] = run.trajectory_id
@@ -62,13 +66,13 @@ class RunTable:
         if run.group_id:
             self.groups.add(run.group_id)
 
-    def at_door(self, address: str | None) -> Run | None:
+    def at_door(self, address: str | None) -> RegisteredRun | None:
         """The run whose door a connection comes from, or None (not a sandboxed run's)."""
         trajectory = self.doors.get(address) if address else None
         return self.runs.get(trajectory) if trajectory else None
 
     @staticmethod
-    def through_door(run: Run, credentials: tuple, headers: Tags | None) -> Tags:
+    def through_door(run: RegisteredRun, credentials: tuple, headers: Tags | None) -> Tags:
         """A call from a run's door is that run's, whatever it says: it may name no other trajectory (a
         tagged path, credentials of another run or of one nobody registered; tag headers too when no
         credential is given) nor another group, and it writes nothing once the run ended. Its secret is

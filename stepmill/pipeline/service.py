@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 
-from stepmill.auth.runs import Run
+from stepmill.auth.runs import RegisteredRun
 from stepmill.errors import ConfigError
 from stepmill.store import Store
 from stepmill.pipeline.call_record import CallRecord
@@ -55,7 +55,7 @@ class Pipeline:
         self.watch: StateWatch | None = None  # from watch_runs
         self.submitted = 0  # calls handed over by the loop (changed on the loop only)
 
-    def watch_runs(self, on_run: Callable[[Run], None]) -> None:
+    def watch_runs(self, on_run: Callable[[RegisteredRun], None]) -> None:
         """Starts the state watch of this database: ``on_run`` is told of every run registered (or
         revoked) by any process, those already there first, before this returns."""
         self.watch = StateWatch(self.db_path, on_run=on_run)

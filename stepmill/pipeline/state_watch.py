@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from stepmill.auth.runs import Run
+from stepmill.auth.runs import RegisteredRun
 from stepmill.store import Store
 
 log = logging.getLogger("stepmill")
@@ -29,7 +29,7 @@ class StateWatch:
     run is logged, counted (``unreadable_runs``) and passed over: the ones after it are still told.
     """
 
-    def __init__(self, db_path: str, *, on_run: Callable[[Run], None], refresh: float = REFRESH):
+    def __init__(self, db_path: str, *, on_run: Callable[[RegisteredRun], None], refresh: float = REFRESH):
         self.on_run = on_run
         self.refresh = refresh
         self.seen_rowid = 0  # the last registration read
@@ -45,7 +45,7 @@ class StateWatch:
     def _read(self) -> None:
         for row in self.store.registered_runs(self.seen_rowid):
             try:
-                self.on_run(Run(row["trajectory_id"], row["group_id"], row["channel"], row["secret_hash"],
+                self.on_run(RegisteredRun(row["trajectory_id"], row["group_id"], row["channel"], row["secret_hash"],
                                 row["rowid"], revoked=row["revoked_at"] is not None, door=row["door"],
                                 hosts=tuple(row["hosts"] or ())))
             except Exception as exc:
