@@ -21,6 +21,7 @@ claimed group's staleness is kept (``Store.consumption_staleness``).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import Counter
 from contextlib import contextmanager
 from typing import Iterable, Iterator
@@ -35,7 +36,92 @@ def group_ids(batches: Iterable[Batch]) -> list[str]:
     return [batch.meta["group_id"] for batch in batches]
 
 
-class Consumer:
+class GroupStream:
+    """What every consumer (this one, ``NodeConsumer`` over HTTP, a fleet's ``RemoteConsumer``) offers on
+    top of its own ``claim_many``, ``ack_many`` and ``release_many``: one at a time, a step, iteration."""
+
+    def claim(self) -> Batch | None:
+        """The next ready group as one batch (leased to this consumer), or None when none is ready."""
+        batches = self.claim_many(1)
+        return batches[0] if batches else None
+
+    def ack(self, batch: Batch) -> None:
+        """Mark the batch's group consumed: ``Conflict`` when it is not leased to this consumer (its
+        lease ran out and another took it, or it was acknowledged already), ``NotFound`` when nobody
+        claimed it."""
+        self.ack_many([batch])
+
+    def release(self, batch: Batch) -> None:
+        """Give the batch's group back unconsumed (another consumer may take it at once)."""
+        self.release_many([batch])
+
+    @contextmanager
+    def step(self, k: int) -> Iterator[list[Batch]]:
+        """Up to ``k`` batches for one optimizer step, acknowledged together when the block ends; given
+        back when it raises."""
+        with stepping(self, k) as batches:
+            yield batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        """Ready groups until none is left. Asking for the next one acknowledges the one before (a
+        trainer that dies mid-batch never asks, and gets that group back when it restarts)."""
+        return acknowledging(self)
+
+
+class HeldGroups(GroupStream, ABC):
+    """The groups one consumer session holds, by id, and what it did with them; where the acks, releases
+    and renewals go is the subclass's (``_ack_groups``, ``_release_groups``, ``_renew_groups``)."""
+
+    lease_seconds: float
+
+    def __init__(self, session: str | None):
+        self.session = session or new_id("session")
+        self.report: Counter = Counter()
+        self._acked: set = set()
+        self.held: list[str] = []  # groups claimed and neither acknowledged nor given back, oldest first
+
+    def ack_many(self, batches: Iterable[Batch]) -> None:
+        """Mark the batches' groups consumed together, in one transaction: all of them, or none and a
+        ``Conflict`` naming each group this consumer no longer holds."""
+        groups = group_ids(batches)
+        self._acked.update(groups)
+        self._ack_groups(groups)
+        self._forget(groups)
+        self.report["groups acknowledged"] += len(groups)
+
+    def release_many(self, batches: Iterable[Batch]) -> list[str]:
+        """Give the batches' groups back unconsumed, at once; returns those this consumer still held."""
+        groups = group_ids(batches)
+        released = self._release_groups(groups)
+        self._forget(groups)
+        return released
+
+    def renew(self, batches: Iterable[Batch] | None = None) -> list[str]:
+        """Extend the leases of the batches' groups (None: every group held) to ``lease_seconds`` from
+        now; returns those no longer held (their leases ran out and another consumer took them)."""
+        groups = list(self.held) if batches is None else group_ids(batches)
+        if not groups:
+            return []
+        lost = self._renew_groups(groups)
+        if lost:
+            self.report["leases lost while held"] += len(lost)
+        return lost
+
+    def _forget(self, groups: list[str]) -> None:
+        done = set(groups)
+        self.held = [group for group in self.held if group not in done]
+
+    @abstractmethod
+    def _ack_groups(self, groups: list[str]) -> None: ...
+
+    @abstractmethod
+    def _release_groups(self, groups: list[str]) -> list[str]: ...
+
+    @abstractmethod
+    def _renew_groups(self, groups: list[str]) -> list[str]: ...
+
+
+class Consumer(HeldGroups):
     """The trainer's side of the stream; the leases, acks and staleness are the store's
     (``claim_groups``, ``ack_groups``, ``renew_groups``, ``release_groups``: ``store/consumption.py``).
     ``session``: this instance's id (new by default): the store never hands a session a group it
@@ -43,18 +129,10 @@ class Consumer:
 
     def __init__(self, store: Store, name: str, *, n: int = 8, channel: str = "train", lease_seconds: float = 600,
                  max_staleness: int | None = None, session: str | None = None, scored: bool = False, **layout):
+        super().__init__(session)
         self.store, self.name, self.n, self.channel, self.scored = store, name, n, channel, scored
         self.lease_seconds, self.max_staleness = lease_seconds, max_staleness
-        self.session = session or new_id("session")
         self.layout = layout  # one batch per group
-        self.report: Counter = Counter()
-        self._acked: set = set()
-        self.held: list[str] = []  # groups claimed and neither acknowledged nor given back, oldest first
-
-    def claim(self) -> Batch | None:
-        """The next ready group as one batch (leased to this consumer), or None when none is ready."""
-        batches = self.claim_many(1)
-        return batches[0] if batches else None
 
     def claim_many(self, k: int) -> list[Batch]:
         """Up to ``k`` groups, one batch each, leased to this consumer in one transaction (the groups
@@ -78,56 +156,14 @@ class Consumer:
             raise
         return batches
 
-    def ack(self, batch: Batch) -> None:
-        """Mark the batch's group consumed: ``Conflict`` when it is not leased to this consumer (its
-        lease ran out and another took it, or it was acknowledged already), ``NotFound`` when nobody
-        claimed it."""
-        self.ack_many([batch])
-
-    def ack_many(self, batches: Iterable[Batch]) -> None:
-        """Mark the batches' groups consumed together, in one transaction: all of them, or none and a
-        ``Conflict`` naming each group this consumer no longer holds."""
-        groups = group_ids(batches)
-        self._acked.update(groups)
+    def _ack_groups(self, groups: list[str]) -> None:
         self.store.ack_groups(self.name, groups, session=self.session)
-        self._forget(groups)
-        self.report["groups acknowledged"] += len(groups)
 
-    def release(self, batch: Batch) -> None:
-        """Give the batch's group back unconsumed (another consumer may take it at once)."""
-        self.release_many([batch])
+    def _release_groups(self, groups: list[str]) -> list[str]:
+        return self.store.release_groups(self.name, groups, session=self.session)
 
-    def release_many(self, batches: Iterable[Batch]) -> list[str]:
-        """Give the batches' groups back unconsumed, at once; returns those this consumer still held."""
-        groups = group_ids(batches)
-        released = self.store.release_groups(self.name, groups, session=self.session)
-        self._forget(groups)
-        return released
-
-    def renew(self, batches: Iterable[Batch] | None = None) -> list[str]:
-        """Extend the leases of the batches' groups (None: every group held) to ``lease_seconds`` from
-        now; returns those no longer held (their leases ran out and another consumer took them)."""
-        groups = list(self.held) if batches is None else group_ids(batches)
-        lost = self.store.renew_groups(self.name, groups, session=self.session, lease_seconds=self.lease_seconds)
-        if lost:
-            self.report["leases lost while held"] += len(lost)
-        return lost
-
-    @contextmanager
-    def step(self, k: int) -> Iterator[list[Batch]]:
-        """Up to ``k`` batches for one optimizer step, acknowledged together when the block ends; given
-        back when it raises."""
-        with stepping(self, k) as batches:
-            yield batches
-
-    def _forget(self, groups: list[str]) -> None:
-        done = set(groups)
-        self.held = [group for group in self.held if group not in done]
-
-    def __iter__(self) -> Iterator[Batch]:
-        """Ready groups until none is left. Asking for the next one acknowledges the one before (a
-        trainer that dies mid-batch never asks, and gets that group back when it restarts)."""
-        return acknowledging(self)
+    def _renew_groups(self, groups: list[str]) -> list[str]:
+        return self.store.renew_groups(self.name, groups, session=self.session, lease_seconds=self.lease_seconds)
 
 
 def staleness_summary(rows: Iterable[dict]) -> str | None:

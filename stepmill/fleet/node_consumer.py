@@ -7,14 +7,10 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
-from collections import Counter
-from contextlib import contextmanager
-from typing import Iterable, Iterator
 
 from stepmill.errors import Conflict, NotFound
 from stepmill.fleet.batch_wire import batches_from_bytes
-from stepmill.store.ids import new_id
-from stepmill.trainer_bridge.consume import acknowledging, group_ids, stepping
+from stepmill.trainer_bridge.consume import HeldGroups, group_ids
 from stepmill.trainer_bridge.layouts import Batch
 
 
@@ -51,7 +47,7 @@ def _refusal(exc: urllib.error.HTTPError) -> Exception:
     return kind(exc, message)
 
 
-class NodeConsumer:
+class NodeConsumer(HeldGroups):
     """``Consumer`` of one node over HTTP: ``for batch in NodeConsumer(url, "trainer-0", n=8): …``, or
     ``claim_many(k)`` … ``ack_many(batches)`` (``step(k)``), ``renew()``, ``release_many`` (a fleet's
     trainers use ``remote_consumer.RemoteConsumer``, which finds the node of each group). A refused ack is a
@@ -62,14 +58,11 @@ class NodeConsumer:
                  timeout: float = 120, session: str | None = None, **params):
         from stepmill.auth.write_token import read_token
 
+        super().__init__(session)
         self.url, self.name, self.timeout = url.rstrip("/"), name, timeout
         self.token = token or read_token(confdir)
-        self.session = session or new_id("session")
         self.params = params
         self.lease_seconds = params.get("lease_seconds", 600)
-        self.report: Counter = Counter()
-        self._acked: set = set()
-        self.held: list[str] = []  # groups claimed and neither acknowledged nor given back, oldest first
 
     def _post(self, path: str, body: dict):
         request = urllib.request.Request(self.url + path, data=json.dumps({"consumer": self.name, **body}).encode(),
@@ -80,10 +73,6 @@ class NodeConsumer:
         except urllib.error.HTTPError as exc:
             raise _refusal(exc) from None
 
-    def claim(self) -> Batch | None:
-        batches = self.claim_many(1)
-        return batches[0] if batches else None
-
     def claim_many(self, k: int) -> list[Batch]:
         """Up to ``k`` groups' batches, leased to this consumer in one transaction; [] when none is ready."""
         with self._post("/v1/claims", {"session": self.session, "k": k, **self.params}) as response:
@@ -93,52 +82,17 @@ class NodeConsumer:
         self.held += group_ids(batches)
         return batches
 
-    def ack(self, batch: Batch) -> None:
-        self.ack_many([batch])
-
-    def ack_many(self, batches: Iterable[Batch]) -> None:
-        """All the batches' groups acknowledged in one transaction, or none (``Conflict`` naming each lost)."""
-        groups = group_ids(batches)
-        self._acked.update(groups)
+    def _ack_groups(self, groups: list[str]) -> None:
         self._post("/v1/ack", {"session": self.session, "group_ids": groups}).close()
-        self._forget(groups)
-        self.report["groups acknowledged"] += len(groups)
 
-    def release(self, batch: Batch) -> None:
-        self.release_many([batch])
-
-    def release_many(self, batches: Iterable[Batch]) -> list[str]:
-        groups = group_ids(batches)
+    def _release_groups(self, groups: list[str]) -> list[str]:
         with self._post("/v1/release", {"session": self.session, "group_ids": groups}) as response:
-            released = json.loads(response.read())["released"]
-        self._forget(groups)
-        return released
+            return json.loads(response.read())["released"]
 
-    def renew(self, batches: Iterable[Batch] | None = None) -> list[str]:
-        """Extend the leases (None: of every group held); returns the groups no longer held."""
-        groups = list(self.held) if batches is None else group_ids(batches)
-        if not groups:
-            return []
+    def _renew_groups(self, groups: list[str]) -> list[str]:
         with self._post("/v1/renew", {"session": self.session, "group_ids": groups,
                                       "lease_seconds": self.lease_seconds}) as response:
-            lost = json.loads(response.read())["lost"]
-        if lost:
-            self.report["leases lost while held"] += len(lost)
-        return lost
-
-    @contextmanager
-    def step(self, k: int) -> Iterator[list[Batch]]:
-        """Up to ``k`` batches, acknowledged together after the block, given back when it raises."""
-        with stepping(self, k) as batches:
-            yield batches
-
-    def _forget(self, groups: list[str]) -> None:
-        done = set(groups)
-        self.held = [group for group in self.held if group not in done]
-
-    def __iter__(self):
-        """Asking for the next batch acknowledges the one before, as ``Consumer`` does."""
-        return acknowledging(self)
+            return json.loads(response.read())["lost"]
 
     def as_torch_dataset(self):
         """A torch ``IterableDataset`` of batches (each acknowledged when the next is asked for)."""

@@ -34,23 +34,21 @@ from __future__ import annotations
 import logging
 import threading
 import urllib.error
-from contextlib import contextmanager
 import urllib.request
 from collections import Counter
-from typing import Iterator
 from urllib.parse import quote, urlencode
 
 from stepmill.errors import BadInput, ConfigError, Conflict, NotFound, StoreUnavailable
 from stepmill.fleet.batch_wire import LAYOUT_FIELDS, batch_from_bytes
 from stepmill.store.fleet_ledger import GroupLease, Coordinator
-from stepmill.trainer_bridge.consume import acknowledging, stepping
+from stepmill.trainer_bridge.consume import GroupStream
 from stepmill.trainer_bridge.layouts import Batch, concat_step_batches
 
 
 log = logging.getLogger("stepmill")
 
 
-class RemoteConsumer:
+class RemoteConsumer(GroupStream):
     """``Consumer`` for a fleet: ``coordinator`` is a ``Coordinator``, its URL, or None (``STEPMILL_COORDINATOR``).
     ``max_staleness``: set aside groups more policy versions behind than this (the fleet's own limit, when
     lower, holds too). ``token``: the nodes' write token (one for all), or ``tokens``: node id → token;
@@ -83,11 +81,6 @@ class RemoteConsumer:
         self._resumed = False
 
     # --- the trainer's side ------------------------------------------------------------------------------
-
-    def claim(self) -> Batch | None:
-        """The next ready group as one batch (leased to this consumer), or None when none is ready now."""
-        batches = self.claim_many(1)
-        return batches[0] if batches else None
 
     def claim_many(self, k: int) -> list[Batch]:
         """Up to ``k`` groups, one batch each, leased to this consumer (the groups this name held before a
@@ -123,12 +116,6 @@ class RemoteConsumer:
             self._start_renewing()
         return batches
 
-    def ack(self, batch: Batch) -> None:
-        """The batch's group is consumed. ``Conflict`` when it is no longer leased to this consumer (its lease
-        ran out and another took it, or it was acknowledged already); ``NotFound`` when this consumer never
-        claimed it."""
-        self.ack_many([batch])
-
     def ack_many(self, batches: list[Batch]) -> None:
         """The batches' groups are consumed, in one transaction: all, or none and a ``Conflict`` naming each
         group this consumer no longer holds (those stay held, to ack or give back); ``NotFound`` when this
@@ -149,10 +136,6 @@ class RemoteConsumer:
         self._forget(groups)
         self.report["groups acknowledged"] += len(groups)
         self.report["rows acknowledged"] += sum(len(batch) for batch in batches)
-
-    def release(self, batch: Batch) -> None:
-        """Give the batch's group back unconsumed (another consumer may take it at once)."""
-        self.release_many([batch])
 
     def release_many(self, batches: list[Batch]) -> list[str]:
         """Give the batches' groups back unconsumed, at once; returns those this consumer still held."""
@@ -176,21 +159,10 @@ class RemoteConsumer:
         with self._lock:
             return list(self._held)
 
-    @contextmanager
-    def step(self, k: int) -> Iterator[list[Batch]]:
-        """Up to ``k`` batches for one optimizer step, acknowledged together when the block ends; given
-        back when it raises."""
-        with stepping(self, k) as batches:
-            yield batches
-
     def _forget(self, groups) -> None:
         with self._lock:
             for group in groups:
                 self._held.pop(group, None)
-
-    def __iter__(self) -> Iterator[Batch]:
-        """Ready groups until none is left; asking for the next acknowledges the one before."""
-        return acknowledging(self)
 
     def close(self) -> None:
         """Stop renewing (held groups go back when their leases run out)."""
