@@ -54,7 +54,11 @@ class PipelineLifecycle:
         pipeline = Pipeline(ctx.options.stepmill_db, writer=ctx.options.stepmill_writer,
                             priority=ctx.options.stepmill_writer_priority)  # creates or migrates the file
         state.runs = RunTable()
-        pipeline.watch_runs(state.on_loop(state.runs.add))
+        try:
+            pipeline.watch_runs(state.on_loop(state.runs.add))
+        except BaseException:  # its writer and handoff run already: the next request starts anew, not beside them
+            pipeline.close()
+            raise
         state.pipeline = pipeline
         self.control.open()
         log.info(f"stepmill: writing steps to {pipeline.db_path} ({pipeline.writer_kind} writer, "

@@ -2,7 +2,8 @@
 workers (``python -m stepmill.proxy_master``) that accept on them, restarts one that dies, and stops them
 all on SIGINT/SIGTERM.
 
-It serves nothing itself, so it imports none of mitmproxy's proxy, the addon or the store: it stays a
+It serves nothing itself, so it imports none of mitmproxy's proxy, the addon's hooks (only the
+workers' private channel, ``stepmill.addon.siblings``) or the store: it stays a
 small process beside its workers (bench/idle_rss.py measures it).
 """
 
@@ -104,12 +105,15 @@ class Supervisor:
     def _wait(self, wakeup: int) -> None:
         """Until a worker exits or a signal comes (its number is written to ``wakeup``'s pipe): the
         supervisor takes no CPU while its workers serve. Without pidfds (Linux < 5.3), a look every 0.2 s."""
+        exits: list[int] = []
         try:
-            exits = [os.pidfd_open(p.pid) for p in self.processes.values() if p.returncode is None]
-        except (AttributeError, OSError):
-            time.sleep(0.2)
-            return
-        try:
+            try:
+                for process in self.processes.values():
+                    if process.returncode is None:
+                        exits.append(os.pidfd_open(process.pid))
+            except (AttributeError, OSError):  # the pidfds opened so far are closed below
+                time.sleep(0.2)
+                return
             ready, _, _ = select.select([wakeup, *exits], [], [])
             if wakeup in ready:
                 os.read(wakeup, 512)

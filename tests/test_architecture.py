@@ -147,8 +147,15 @@ def reachable(room: str) -> set[str]:
 
 
 def test_the_fleet_stands_on_the_store_and_the_runner_never_the_reverse():
+    """The table says so, and so do the imports themselves (every one, those inside functions too)."""
     assert {"store", "runner"} <= MAY_IMPORT["fleet"]
     assert [room for room in ROOMS if "fleet" in reachable(room)] == ["train", "demo", "cli"]
+    graph = import_graph()
+    into_fleet = sorted(f"{module} imports {target}" for module, targets in graph.items() for target in targets
+                        if room_of(target) == "fleet" and room_of(module) not in ("fleet", "train", "demo", "cli"))
+    assert not into_fleet, "imports of the fleet from below it:\n" + "\n".join(into_fleet)
+    fleet_uses = {room_of(target) for module, targets in graph.items() if room_of(module) == "fleet" for target in targets}
+    assert "store" in fleet_uses  # the ledger and the steps: the fleet stands on the store
 
 
 # The wire formats of LLM APIs stand alone: their modules import each other and stepmill's errors only,

@@ -113,10 +113,14 @@ class Handlers:
 
     # -- endpoints ----------------------------------------------------------------------
     def health(self, body, authorized: bool = False):
+        """``ok`` is false while a background thread of the capture (handoff, writer, state watch) is dead:
+        a monitor that reads only ``ok`` notices too."""
+        capture = self.status()
+        ok = bool(capture.get("alive", True))
         if not authorized:
-            return 200, {"ok": True}  # anonymous callers (agents among them) learn nothing else
-        return 200, {"ok": True, "version": __version__, "db": self.store.path,
-                     "schema_version": self.store.schema_version, "time": now_iso(), "capture": self.status()}
+            return 200, {"ok": ok}  # anonymous callers (agents among them) learn nothing else
+        return 200, {"ok": ok, "version": __version__, "db": self.store.path,
+                     "schema_version": self.store.schema_version, "time": now_iso(), "capture": capture}
 
     def stats(self, body):
         return 200, {**stats_with_backlog(self.store), "capture": self.status()}
