@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
+from stepmill.store.connection import Transactions
 from stepmill.store.export import step_selection
 from stepmill.store.sequences import ID_DTYPE, unpack_ids, unpack_logprobs
 from stepmill.store.sql_errors import user_condition
@@ -83,9 +84,9 @@ class TokenRow:
 
 
 class TokenRows:
-    """Steps as trainers read them; a part of ``Store`` given what holds the connection (``tx.db``)."""
+    """Steps as trainers read them; a part of ``Store`` over its connection."""
 
-    def __init__(self, tx):
+    def __init__(self, tx: Transactions):
         self.tx = tx
 
     def token_rows(self, where: str | None = None, params: Any = (), *, gate: bool = True,
@@ -95,7 +96,7 @@ class TokenRows:
         only what the curation gate lets through, as trainers read)."""
         condition, values = step_selection(where, params, gate, group_id, None, trajectory_ids, None)
         with user_condition(where):
-            rows = self.tx.db.conn.execute(_TOKEN_ROWS.format(condition=condition), values).fetchall()
+            rows = self.tx.conn.execute(_TOKEN_ROWS.format(condition=condition), values).fetchall()
         deltas = {row[1]: row[2:7] for row in rows}
         selected = [row[1:14] for row in rows if row[0]]
         sequences = _Sequences(deltas, [row[0] for row in selected if row[2] is not None])

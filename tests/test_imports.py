@@ -7,6 +7,7 @@ Each is checked in a fresh interpreter, by what its start imports (its ``sys.mod
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -23,20 +24,27 @@ NOT_IN_THE_SUPERVISOR = HEAVY + ["mitmproxy.tools", "mitmproxy.master", "mitmpro
 # What `python -m stepmill.pipeline.writer` and `python -m stepmill.proxy_master` import before they run.
 WRITER = "import stepmill.pipeline.writer"
 WORKER = "import stepmill.proxy_master"
-# What `stepmill proxy --workers N` runs before it starts its workers (stepmill/cli/capture.py's proxy).
+# `stepmill proxy --workers 2` itself, run up to where it would start its workers: there the supervisor
+# holds what it will hold while it serves (``supervise`` answers with its modules instead of starting any).
 SUPERVISOR = """
-import stepmill.cli
-from stepmill.auth.write_token import ensure_token, token_path
-from stepmill.cli.capture import listening_lines
-from stepmill.cli.proxy_args import listeners
-from stepmill.protocols import registry
-from stepmill.proxy_supervisor import bind_listener, default_workers, supervise
-from stepmill.runner.proxy_env import ensure_bundle, ensure_ca
+import json, sys
+import stepmill.proxy_supervisor
 
-registry.load()
-modes = listeners(["--mode", "regular@18080", "--mode", "reverse:https://127.0.0.1:9@18081"], "127.0.0.1", 18080)
-listening_lines(modes, None, "~/.mitmproxy")
+def supervise(args, workers, shared):
+    print(json.dumps(sorted(sys.modules)))
+    return 0
+
+stepmill.proxy_supervisor.supervise = supervise
+from stepmill.cli import main
+sys.argv = ["stepmill", "proxy", "--workers", "2", "--port", "{port}", "--db", {db!r}, "--confdir", {confdir!r}]
+main()
 """
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def loaded(code: str) -> set[str]:
@@ -56,8 +64,15 @@ def test_the_proxy_processes_load_no_heavy_library(process, code):
     assert not found(loaded(code), HEAVY), f"the proxy's {process} imports them at start"
 
 
-def test_the_supervisor_loads_no_proxy_and_no_store():
-    assert not found(loaded(SUPERVISOR), NOT_IN_THE_SUPERVISOR)
+def test_the_supervisor_loads_no_proxy_and_no_store(tmp_path):
+    confdir = str(tmp_path / "confdir")
+    # the CA exists, as at every start but the first (making it loads mitmproxy's certificate code once)
+    subprocess.run([sys.executable, "-c", f"from stepmill.runner.proxy_env import ensure_ca; ensure_ca({confdir!r})"],
+                   check=True)
+    code = SUPERVISOR.format(port=free_port(), db=str(tmp_path / "steps.db"), confdir=confdir)
+    modules = loaded(code)
+    assert "stepmill.cli.capture" in modules  # the real command ran
+    assert not found(modules, NOT_IN_THE_SUPERVISOR)
 
 
 def test_the_check_sees_a_heavy_import():
