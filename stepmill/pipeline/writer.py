@@ -31,7 +31,7 @@ from stepmill.store import Store
 from stepmill.pipeline.call_record import CallRecord
 from stepmill.pipeline.handoff import BATCH_WAIT
 from stepmill.pipeline.ingest import Ingest
-from stepmill.pipeline.journal import UNREADABLE_KEY, Journal, state_key
+from stepmill.pipeline.journal import UNREADABLE_KEY, Journal, Position, state_key
 
 log = logging.getLogger("stepmill")
 
@@ -55,6 +55,9 @@ class Writer:
         self.last_commit: float | None = None
         self.failing: str | None = None  # why the last batch did not commit (it is tried again)
         self._since_checkpoint = 0
+        # Each journal's committed position, read from the store once: this writer is the only one that
+        # commits it (a journal is locked while its writer lives), so memory stays true after each commit.
+        self._positions: dict[str, Position] = {}
 
     def wake(self) -> None:
         self._wake.set()
@@ -83,19 +86,24 @@ class Writer:
                 continue
             stopping = self._stop
             time.sleep(BATCH_WAIT if not stopping else 0)  # let a burst of calls share one transaction
+            before = self.committed
             while self._drain(store, ingest, self.journal):
-                dirty = True
+                pass
+            dirty = dirty or self.committed > before
             if stopping and not self.failing:
                 break
         self._checkpoint(store, "TRUNCATE")
         store.close()
 
     def _drain(self, store: Store, ingest: Ingest, journal: Journal) -> bool:
-        """One batch; True if there may be more. Never raises: what fails is logged, kept in ``failing``
+        """One batch; True if it stopped at BATCH_BYTES, so there may be more (a batch that took all
+        there was needs no second, empty read). Never raises: what fails is logged, kept in ``failing``
         and tried again (the calls wait in the journal)."""
         counted = ingest.unreadable
         try:
-            position = journal.committed(store)
+            if journal.id not in self._positions:
+                self._positions[journal.id] = journal.committed(store)
+            position = self._positions[journal.id]
             entries = list(journal.read(position, BATCH_BYTES))
             if not entries:
                 return False
@@ -123,13 +131,15 @@ class Writer:
         if self.failing is not None:
             log.warning("stepmill: the database takes writes again")
             self.failing = None
+        self._positions[journal.id] = entries[-1][0]
         self.committed += len(entries)
         self.last_commit = time.time()
         journal.drop_before(entries[-1][0])
-        self._since_checkpoint += sum(len(payload) for _, payload in entries)
+        size = sum(len(payload) for _, payload in entries)
+        self._since_checkpoint += size
         if self._since_checkpoint > CHECKPOINT_WAL_BYTES:  # roughly what the WAL grew by
             self._checkpoint(store, "PASSIVE")
-        return True
+        return size >= BATCH_BYTES  # as Journal.read: it stops once this much is read
 
     @staticmethod
     def _prepare(store: Store, ingest: Ingest, payload: bytes) -> Callable[[], str]:
