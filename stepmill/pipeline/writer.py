@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -45,11 +46,13 @@ RETRY_WAIT = 0.5  # after a locked database or a full disk
 class Writer:
     """Commits journal entries to SQLite in batches; replays journals left by writers that died."""
 
-    def __init__(self, db_path: str, journal_folder: Path, priority: Priority | None = None):
+    def __init__(self, db_path: str, journal_folder: Path, priority: Priority | None = None,
+                 stdin: int | None = None):
         self.db_path = db_path
         self.journal = Journal(journal_folder)
         self.priority = priority or Priority("normal")
         self._wake = threading.Event()
+        self._stdin = stdin  # a writer process: the proxy's wake-ups, read here (no thread between per call)
         self._stop = False
         self.committed = 0
         self.last_commit: float | None = None
@@ -78,8 +81,7 @@ class Writer:
             orphan.retire(store)
         dirty = False
         while True:
-            woken = self._wake.wait(RETRY_WAIT if self.failing else (CHECKPOINT_IDLE if dirty else None))
-            self._wake.clear()
+            woken = self._wait(RETRY_WAIT if self.failing else (CHECKPOINT_IDLE if dirty else None))
             if not woken and dirty and not self.failing:
                 self._checkpoint(store, "PASSIVE")  # idle: a good moment to fold the WAL into the file
                 dirty = False
@@ -94,6 +96,21 @@ class Writer:
                 break
         self._checkpoint(store, "TRUNCATE")
         store.close()
+
+    def _wait(self, timeout: float | None) -> bool:
+        """Until woken (True) or ``timeout`` passed. A writer process is woken by a newline on its stdin;
+        end of input (the proxy closed it, or died) stops it."""
+        if self._stdin is None:
+            woken = self._wake.wait(timeout)
+            self._wake.clear()
+            return woken
+        ready, _, _ = select.select([self._stdin], [], [], timeout)
+        if not ready:
+            return False
+        if not os.read(self._stdin, 65536):
+            self._stdin = None
+            self.stop()
+        return True
 
     def _drain(self, store: Store, ingest: Ingest, journal: Journal) -> bool:
         """One batch; True if it stopped at BATCH_BYTES, so there may be more (a batch that took all
@@ -231,7 +248,7 @@ class Priority:
         self.idle = False
 
     def apply(self) -> None:
-        """In the writer process, before its threads start (they inherit it)."""
+        """In the writer process, before it runs (the calling thread: the writer runs in it)."""
         try:
             if self.name in ("idle", "low"):
                 os.nice(10)
@@ -260,21 +277,12 @@ class Priority:
 
 
 def _serve_process(db_path: str, folder: Path, priority: str) -> None:
+    # The proxy says when to stop (end of stdin, also when it dies); a Ctrl-C reaching the whole
+    # process group must not end the writer before it has committed what the proxy hands over last.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     chosen = Priority(priority)
     chosen.apply()
-    writer = Writer(db_path, folder, chosen)
-    thread = threading.Thread(target=writer.run, name="stepmill-writer", daemon=False)
-    thread.start()
-    stdin = sys.stdin.buffer.raw
-    while True:
-        ready, _, _ = select.select([stdin], [], [], 1.0)
-        if ready:
-            data = os.read(stdin.fileno(), 65536)
-            if not data:
-                break  # the proxy closed the pipe, or died
-        writer.wake()
-    writer.stop()
-    thread.join()
+    Writer(db_path, folder, chosen, stdin=sys.stdin.fileno()).run()
 
 
 def main(argv=None) -> None:
