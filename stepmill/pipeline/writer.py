@@ -96,6 +96,7 @@ class Writer:
                 break
         self._checkpoint(store, "TRUNCATE")
         store.close()
+        self.journal.release()  # the segment kept open for reading
 
     def _wait(self, timeout: float | None) -> bool:
         """Until woken (True) or ``timeout`` passed. A writer process is woken by a newline on its stdin;
