@@ -68,6 +68,7 @@ class Steps:
         system_hash = linking.system_hash(messages)
         explicit = rec.trajectory_id or rec.session_id
         parent = find_parent(conn, rec, explicit, keys[: len(messages)], loose_message_keys)
+        minted = False  # a trajectory id made just now: no run or step has it yet, nothing to look up
         if rec.trajectory_id:
             trajectory_id, source = rec.trajectory_id, "explicit"
         elif rec.session_id:
@@ -75,12 +76,12 @@ class Steps:
         elif parent:
             trajectory_id, source = parent.trajectory_id, "chain" if rec.previous_response_id else "conversation"
         else:
-            trajectory_id, source = new_id("t"), "conversation"
-        if source != "explicit" and conn.execute("SELECT 1 FROM run_credentials WHERE trajectory_id = ? LIMIT 1",
-                                                 [trajectory_id]).fetchone():
+            trajectory_id, source, minted = new_id("t"), "conversation", True
+        if source != "explicit" and not minted and conn.execute(
+                "SELECT 1 FROM run_credentials WHERE trajectory_id = ? LIMIT 1", [trajectory_id]).fetchone():
             # A registered run is written only by calls the proxy admitted with its secret: a session
             # id or a continued conversation naming it starts a trajectory of its own instead.
-            trajectory_id, source, parent = new_id("t"), "conversation", None
+            trajectory_id, source, parent, minted = new_id("t"), "conversation", None, True
         if parent and parent.trajectory_id != trajectory_id:
             parent = None  # a chain into another trajectory is not this trajectory's history
         traj = ensure_trajectory(
@@ -89,7 +90,9 @@ class Steps:
             policy_version=text_column(rec.policy_version), created_at=now_iso(),
         )
         step_index = int_column(rec.step_index)
-        if step_index is None:
+        if step_index is None and minted:
+            step_index = 0
+        elif step_index is None:
             step_index = conn.execute(
                 "SELECT coalesce(max(step_index) + 1, 0) FROM steps WHERE trajectory_id = ?", [trajectory_id]
             ).fetchone()[0]

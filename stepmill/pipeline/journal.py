@@ -103,6 +103,7 @@ class Journal:
         self._lock_file = None
         self._append = None
         self._segment = 0
+        self._reader: tuple[int, int] | None = None  # (segment, fd) the writer read last: kept open between reads
 
     @classmethod
     def create(cls, db_path) -> "Journal":
@@ -148,6 +149,7 @@ class Journal:
         return True
 
     def release(self) -> None:
+        self._close_reader()
         if self._append is not None:
             self._append.close()
             self._append = None
@@ -212,26 +214,55 @@ class Journal:
     def read(self, after: Position, max_bytes: int = 8 * 1024 * 1024) -> Iterator[tuple[Position, bytes]]:
         """Entries after ``after``, each with the position just past it; stops at a torn or missing tail."""
         total = 0
-        for path in self.segments():
-            number = int(path.stem)
-            if number < after.segment:
-                continue
+        for number in self._segments_from(after.segment):
             offset = after.offset if number == after.segment else 0
-            with open(path, "rb") as handle:
-                handle.seek(offset)
-                while True:
-                    head = handle.read(_HEAD.size)
-                    if len(head) < _HEAD.size:
-                        break
-                    length, crc = _HEAD.unpack(head)
-                    payload = handle.read(length)
-                    if len(payload) < length or zlib.crc32(payload) != crc:
-                        break  # torn by a crash mid-append, or still being written
-                    offset += _HEAD.size + length
-                    yield Position(number, offset), payload
-                    total += length
-                    if total >= max_bytes:
-                        return
+            fd = self._reader_fd(number)
+            if fd is None:
+                continue
+            while True:
+                # pread, unbuffered: a tail torn by a refused append is rewritten in place, never served stale
+                head = os.pread(fd, _HEAD.size, offset)
+                if len(head) < _HEAD.size:
+                    break
+                length, crc = _HEAD.unpack(head)
+                payload = os.pread(fd, length, offset + _HEAD.size)
+                if len(payload) < length or zlib.crc32(payload) != crc:
+                    break  # torn by a crash mid-append, or still being written
+                offset += _HEAD.size + length
+                yield Position(number, offset), payload
+                total += length
+                if total >= max_bytes:
+                    return
+
+    def _segments_from(self, first: int) -> Iterator[int]:
+        """Segment numbers from ``first`` on. While the writer keeps up, the segment it has open is the
+        last one, and one stat of the next name says so: no listing of the folder per read. The next is
+        looked for *before* the open one is read: once it exists, the open one takes no more appends."""
+        if self._reader is not None and self._reader[0] == first:
+            later = os.path.exists(self._segment_path(first + 1))
+            yield first
+            if not later:
+                return
+            first += 1
+        for path in self.segments():
+            if int(path.stem) >= first:
+                yield int(path.stem)
+
+    def _reader_fd(self, number: int) -> int | None:
+        """The open segment ``number`` (the one before it closed), or None if it is gone."""
+        if self._reader is not None and self._reader[0] == number:
+            return self._reader[1]
+        self._close_reader()
+        try:
+            self._reader = (number, os.open(self._segment_path(number), os.O_RDONLY | os.O_CLOEXEC))
+        except FileNotFoundError:
+            return None
+        return self._reader[1]
+
+    def _close_reader(self) -> None:
+        if self._reader is not None:
+            os.close(self._reader[1])
+            self._reader = None
 
     def backlog(self, after: Position) -> int:
         """Bytes appended but not committed."""

@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -31,7 +32,7 @@ from stepmill.store import Store
 from stepmill.pipeline.call_record import CallRecord
 from stepmill.pipeline.handoff import BATCH_WAIT
 from stepmill.pipeline.ingest import Ingest
-from stepmill.pipeline.journal import UNREADABLE_KEY, Journal, state_key
+from stepmill.pipeline.journal import UNREADABLE_KEY, Journal, Position, state_key
 
 log = logging.getLogger("stepmill")
 
@@ -45,16 +46,21 @@ RETRY_WAIT = 0.5  # after a locked database or a full disk
 class Writer:
     """Commits journal entries to SQLite in batches; replays journals left by writers that died."""
 
-    def __init__(self, db_path: str, journal_folder: Path, priority: Priority | None = None):
+    def __init__(self, db_path: str, journal_folder: Path, priority: Priority | None = None,
+                 stdin: int | None = None):
         self.db_path = db_path
         self.journal = Journal(journal_folder)
         self.priority = priority or Priority("normal")
         self._wake = threading.Event()
+        self._stdin = stdin  # a writer process: the proxy's wake-ups, read here (no thread between per call)
         self._stop = False
         self.committed = 0
         self.last_commit: float | None = None
         self.failing: str | None = None  # why the last batch did not commit (it is tried again)
         self._since_checkpoint = 0
+        # Each journal's committed position, read from the store once: this writer is the only one that
+        # commits it (a journal is locked while its writer lives), so memory stays true after each commit.
+        self._positions: dict[str, Position] = {}
 
     def wake(self) -> None:
         self._wake.set()
@@ -75,27 +81,47 @@ class Writer:
             orphan.retire(store)
         dirty = False
         while True:
-            woken = self._wake.wait(RETRY_WAIT if self.failing else (CHECKPOINT_IDLE if dirty else None))
-            self._wake.clear()
+            woken = self._wait(RETRY_WAIT if self.failing else (CHECKPOINT_IDLE if dirty else None))
             if not woken and dirty and not self.failing:
                 self._checkpoint(store, "PASSIVE")  # idle: a good moment to fold the WAL into the file
                 dirty = False
                 continue
             stopping = self._stop
             time.sleep(BATCH_WAIT if not stopping else 0)  # let a burst of calls share one transaction
+            before = self.committed
             while self._drain(store, ingest, self.journal):
-                dirty = True
+                pass
+            dirty = dirty or self.committed > before
             if stopping and not self.failing:
                 break
         self._checkpoint(store, "TRUNCATE")
         store.close()
+        self.journal.release()  # the segment kept open for reading
+
+    def _wait(self, timeout: float | None) -> bool:
+        """Until woken (True) or ``timeout`` passed. A writer process is woken by a newline on its stdin;
+        end of input (the proxy closed it, or died) stops it."""
+        if self._stdin is None:
+            woken = self._wake.wait(timeout)
+            self._wake.clear()
+            return woken
+        ready, _, _ = select.select([self._stdin], [], [], timeout)
+        if not ready:
+            return False
+        if not os.read(self._stdin, 65536):
+            self._stdin = None
+            self.stop()
+        return True
 
     def _drain(self, store: Store, ingest: Ingest, journal: Journal) -> bool:
-        """One batch; True if there may be more. Never raises: what fails is logged, kept in ``failing``
+        """One batch; True if it stopped at BATCH_BYTES, so there may be more (a batch that took all
+        there was needs no second, empty read). Never raises: what fails is logged, kept in ``failing``
         and tried again (the calls wait in the journal)."""
         counted = ingest.unreadable
         try:
-            position = journal.committed(store)
+            if journal.id not in self._positions:
+                self._positions[journal.id] = journal.committed(store)
+            position = self._positions[journal.id]
             entries = list(journal.read(position, BATCH_BYTES))
             if not entries:
                 return False
@@ -123,13 +149,15 @@ class Writer:
         if self.failing is not None:
             log.warning("stepmill: the database takes writes again")
             self.failing = None
+        self._positions[journal.id] = entries[-1][0]
         self.committed += len(entries)
         self.last_commit = time.time()
         journal.drop_before(entries[-1][0])
-        self._since_checkpoint += sum(len(payload) for _, payload in entries)
+        size = sum(len(payload) for _, payload in entries)
+        self._since_checkpoint += size
         if self._since_checkpoint > CHECKPOINT_WAL_BYTES:  # roughly what the WAL grew by
             self._checkpoint(store, "PASSIVE")
-        return True
+        return size >= BATCH_BYTES  # as Journal.read: it stops once this much is read
 
     @staticmethod
     def _prepare(store: Store, ingest: Ingest, payload: bytes) -> Callable[[], str]:
@@ -221,7 +249,7 @@ class Priority:
         self.idle = False
 
     def apply(self) -> None:
-        """In the writer process, before its threads start (they inherit it)."""
+        """In the writer process, before it runs (the calling thread: the writer runs in it)."""
         try:
             if self.name in ("idle", "low"):
                 os.nice(10)
@@ -250,21 +278,12 @@ class Priority:
 
 
 def _serve_process(db_path: str, folder: Path, priority: str) -> None:
+    # The proxy says when to stop (end of stdin, also when it dies); a Ctrl-C reaching the whole
+    # process group must not end the writer before it has committed what the proxy hands over last.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     chosen = Priority(priority)
     chosen.apply()
-    writer = Writer(db_path, folder, chosen)
-    thread = threading.Thread(target=writer.run, name="stepmill-writer", daemon=False)
-    thread.start()
-    stdin = sys.stdin.buffer.raw
-    while True:
-        ready, _, _ = select.select([stdin], [], [], 1.0)
-        if ready:
-            data = os.read(stdin.fileno(), 65536)
-            if not data:
-                break  # the proxy closed the pipe, or died
-        writer.wake()
-    writer.stop()
-    thread.join()
+    Writer(db_path, folder, chosen, stdin=sys.stdin.fileno()).run()
 
 
 def main(argv=None) -> None:
