@@ -20,8 +20,9 @@ import pytest
 
 from stepmill.auth.secret_hashes import secret_hash
 from stepmill.pipeline.call_record import Call, CallRecord
-from stepmill.pipeline.journal import UNREADABLE_KEY, entry_parts
+from stepmill.pipeline.journal import UNREADABLE_KEY, Journal, entry_parts
 from stepmill.pipeline.service import Pipeline
+from stepmill.pipeline.writer import ProcessWriter
 from stepmill.store import Store
 
 from .conftest import STEPMILL, TESTS, start_proxy, stop_proxy, wait_until
@@ -65,17 +66,23 @@ def _not_cleaned(proxy) -> int:
     return capture.get("not_cleaned_all_workers", capture["not_cleaned"])
 
 
-def test_a_call_whose_cleaning_raises_is_an_error_step_and_the_calls_around_it_are_committed(faulty, marker):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_call_whose_cleaning_raises_is_an_error_step_and_the_calls_around_it_are_committed(faulty, marker, stream):
+    def not_cleaned_steps() -> list[dict]:
+        return [s for s in _all_steps(faulty) if "could not clean this call" in (s["error"] or "")]
+
     client = _client(faulty)
-    before = _not_cleaned(faulty)
+    before, already = _not_cleaned(faulty), len(not_cleaned_steps())
     for text in (f"first {marker}", f"fault:clean {marker}", f"last {marker}"):
-        _ask(client, text, stream=True)
+        _ask(client, text, stream=stream)
     steps = _steps_of(faulty, marker, 2, lambda s: s["status"] == "ok")
     assert sorted(m["content"] for s in steps for m in s["messages"] if m["role"] == "user") == \
         [f"first {marker}", f"last {marker}"]
-    [bad] = wait_until(lambda: [s for s in _all_steps(faulty) if "could not clean this call" in (s["error"] or "")],
-                       what="the call that could not be cleaned")  # its worker's writer may commit it later
+    bad = wait_until(lambda: (found := not_cleaned_steps()) and len(found) > already and found[-1],
+                     what="the call that could not be cleaned")  # its worker's writer may commit it later
     assert bad["status"] == "error" and not bad["raw_request"] and marker not in json.dumps(bad, default=str)
+    # the step says why it has no bodies, not that its empty bodies are no JSON
+    assert bad["error"].startswith("stepmill could not clean this call") and "JSON" not in bad["error"], bad["error"]
     capture = _capture(faulty)
     assert _not_cleaned(faulty) == before + 1 and capture["alive"], capture
 
@@ -180,3 +187,21 @@ def test_stats_asks_a_running_proxy_whether_its_threads_live(faulty):
     unreachable = subprocess.run(STEPMILL + ["stats", "--db", str(faulty.db), "--proxy", "http://127.0.0.1:9"],
                                  check=True, capture_output=True, text=True).stdout
     assert "did not answer its health" in unreachable
+
+
+def test_a_writer_process_that_cannot_open_the_database_says_why_and_starts_once_it_can(tmp_path):
+    """Its start is guarded as its batches are: it lives, health is told why it is behind, and it goes on."""
+    db = tmp_path / "later.db"
+    db.mkdir()  # a folder where the file should be: SQLite cannot open it, for now
+    journal = Journal.create(str(db))
+    writer = ProcessWriter(str(db), journal, "normal")
+    try:
+        status = wait_until(lambda: (s := writer.status())["error"] and s, what="the writer's reason")
+        assert status["alive"] and status["error"].startswith("the writer cannot start"), status
+        db.rmdir()  # the file can be made now: the writer's next try opens it
+        wait_until(lambda: writer.status() == {"alive": True, "error": None}, what="the writer started")
+        assert db.is_file()
+    finally:
+        writer.close()
+        journal.release()
+    assert writer.process.returncode == 0

@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 
+from stepmill import tags as tagging
 from stepmill.protocols.streams import decode_kept
 from stepmill.pipeline.call_record import Call, CallRecord
 from stepmill.pipeline.journal import Journal
@@ -56,7 +57,8 @@ class Handoff:
         self.dropped = 0  # calls not kept: the journal refused appends and memory was full
         self.appended = 0
         self.not_cleaned = 0  # calls journaled without their bodies: cleaning them failed
-        self.failing: str | None = None  # why the journal does not take appends now
+        # why calls wait in memory now: the journal refuses appends (a full disk), or a pass failed
+        self.behind: str | None = None
         self.delays: collections.deque = collections.deque(maxlen=1000)  # call end → in the journal, seconds
         self._notified = 0.0
         self._wake = threading.Event()
@@ -78,7 +80,7 @@ class Handoff:
         if over:
             if dropped == 1 or dropped % 100 == 0:  # a full disk drops many: the first, then every 100th
                 log.error(f"stepmill: dropped a call to {record.call.host}{record.call.path} ({dropped} so far): "
-                          f"the journal takes no appends ({self.failing}) and {waiting} bytes wait in memory already")
+                          f"the journal takes no appends ({self.behind}) and {waiting} bytes wait in memory already")
             return
         self.queue.append((record, blobs, size))
         self._wake.set()
@@ -90,12 +92,12 @@ class Handoff:
                     return
             except Exception as exc:  # never ends silently: every later call would stay in memory only
                 log.exception("stepmill: the handoff failed; it goes on")
-                self.failing = f"{type(exc).__name__}: {exc}"  # health says why calls wait; cleared by an append
+                self.behind = f"{type(exc).__name__}: {exc}"  # health says why calls wait; cleared by an append
                 time.sleep(RETRY_WAIT)
 
     def _pass(self) -> bool:
         """One wake-up's work; True once stopped with nothing left."""
-        self._wake.wait(RETRY_WAIT if self.failing else None)
+        self._wake.wait(RETRY_WAIT if self.behind else None)
         self._wake.clear()
         while self.queue:
             batch = list(itertools.islice(self.queue, 256))  # the loop only appends on the right
@@ -108,13 +110,13 @@ class Handoff:
             try:
                 self.journal.append(data)  # one write() for the batch
             except OSError as exc:
-                if self.failing is None:
+                if self.behind is None:
                     log.warning(f"stepmill: the journal takes no appends ({exc}); calls wait in memory")
-                self.failing = str(exc)
+                self.behind = str(exc)
                 break
-            if self.failing is not None:
-                log.warning("stepmill: the journal takes appends again")
-                self.failing = None
+            if self.behind is not None:
+                log.warning("stepmill: calls reach the journal again")
+                self.behind = None
             now = time.time()
             for record, _, size in batch:
                 self.queue.popleft()
@@ -148,12 +150,20 @@ class Handoff:
         even its record not be written (a header that is no JSON), only who made it and where it went."""
         note = f"{CLEAN_FAILED} ({type(exc).__name__}); its bodies were not kept"
         try:
+            # The bodies' problems are the note: the step's error says why, not "the body is no JSON".
             return redact_record(dataclasses.replace(
                 record, error=f"{note}; {record.error}" if record.error else note,
+                request_problem=note, response_problem=note,
                 notes=list(record.notes) + [note])).entry_parts([b"" for _ in blobs])
         except Exception:
             call = record.call
-            return CallRecord(kind="failure", call=Call(api=str(call.api), host=str(call.host), path=str(call.path)),
+            try:  # who made it, as the flow's tags say (three strings, which JSON always takes)
+                tags = tagging.Tags(*(None if value is None else str(value) for value in
+                                      (call.tags.trajectory_id, call.tags.group_id, call.tags.channel)))
+            except Exception:
+                tags = tagging.Tags()
+            return CallRecord(kind="failure", call=Call(api=str(call.api), host=str(call.host), path=str(call.path),
+                                                        tags=tags),
                               started=record.started if isinstance(record.started, (int, float)) else 0.0,
                               error=note).entry_parts([b"", b""])
 
@@ -212,7 +222,7 @@ class Handoff:
         with self._bound:
             memory = self.memory
         return {"in_memory": len(self.queue), "in_memory_bytes": memory, **self.counts(),
-                "journal_error": self.failing,
+                "journal_error": self.behind,
                 "journal_delay_ms": {"p50": round(delays[len(delays) // 2] * 1000, 3),
                                      "p99": round(delays[int(len(delays) * 0.99)] * 1000, 3),
                                      "max": round(delays[-1] * 1000, 3)} if delays else None}

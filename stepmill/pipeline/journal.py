@@ -157,10 +157,16 @@ class Journal:
             self._lock_file.close()
             self._lock_file = None
 
+    @property
+    def status_path(self) -> Path:
+        """Where the writer process of this journal says why it is behind (``writer.ProcessWriter.status``)."""
+        return self.folder / "writer-status.json"
+
     def remove(self) -> None:
         """Delete a fully committed journal (its lock is released last)."""
         for path in self.segments():
             path.unlink(missing_ok=True)
+        self.status_path.unlink(missing_ok=True)
         (self.folder / "lock").unlink(missing_ok=True)
         self.release()
         try:

@@ -89,7 +89,7 @@ class Pipeline:
     def threads(self) -> dict:
         """Whether the handoff thread, the writer (thread or process) and the state watch live, and why
         one is behind; from memory only (no file is read: the event loop may ask)."""
-        threads = {"handoff": {"alive": self.handoff.thread.is_alive(), "error": self.handoff.failing},
+        threads = {"handoff": {"alive": self.handoff.thread.is_alive(), "error": self.handoff.behind},
                    "writer": self.writer.status()}
         if self.watch is not None:  # started by the proxy (watch_runs), not by every user of a pipeline
             threads["state_watch"] = self.watch.status()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import logging
 import os
 import select
@@ -57,6 +58,8 @@ class Writer:
         self.committed = 0
         self.last_commit: float | None = None
         self.failing: str | None = None  # why the last batch did not commit (it is tried again)
+        # A writer process tells the proxy why it is behind through this file (None: a thread, read directly).
+        self.status_path: Path | None = None
         self._since_checkpoint = 0
         # Each journal's committed position, read from the store once: this writer is the only one that
         # commits it (a journal is locked while its writer lives), so memory stays true after each commit.
@@ -70,15 +73,10 @@ class Writer:
         self._wake.set()
 
     def run(self) -> None:
-        store = Store(self.db_path)
-        store.manage_checkpoints()  # checkpoints happen here, between batches
-        ingest = Ingest(store)
-        orphans = [j for j in Journal.orphans(self.db_path) if j.folder != self.journal.folder]
-        for orphan in orphans:
-            log.info(f"stepmill: replaying the journal {orphan.folder} left by a writer that stopped")
-            while self._drain(store, ingest, orphan):
-                pass
-            orphan.retire(store)
+        opened = self._start()
+        if opened is None:
+            return  # stopped before the database could be opened: the calls wait in the journal
+        store, ingest = opened
         dirty = False
         while True:
             woken = self._wait(RETRY_WAIT if self.failing else (CHECKPOINT_IDLE if dirty else None))
@@ -97,6 +95,49 @@ class Writer:
         self._checkpoint(store, "TRUNCATE")
         store.close()
         self.journal.release()  # the segment kept open for reading
+
+    def _start(self) -> tuple[Store, Ingest] | None:
+        """The store opened and the journals of writers that stopped replayed; what fails here (a file
+        locked or missing for now, a retire that fails) is logged, kept in ``failing`` and tried again,
+        never the writer's silent end. None when stopped meanwhile."""
+        while True:
+            store = None
+            try:
+                store = Store(self.db_path)
+                store.manage_checkpoints()  # checkpoints happen here, between batches
+                ingest = Ingest(store)
+                orphans = [j for j in Journal.orphans(self.db_path) if j.folder != self.journal.folder]
+                for orphan in orphans:
+                    log.info(f"stepmill: replaying the journal {orphan.folder} left by a writer that stopped")
+                    while self._drain(store, ingest, orphan):
+                        pass
+                    orphan.retire(store)
+                if self.failing is not None and self.failing.startswith("the writer cannot start"):
+                    log.warning("stepmill: the writer started")
+                    self._set_failing(None)
+                return store, ingest
+            except Exception as exc:
+                if self.failing is None:
+                    log.exception("stepmill: the writer cannot start; calls stay in the journal and it tries again")
+                self._set_failing(f"the writer cannot start: {type(exc).__name__}: {exc}")
+                if store is not None:
+                    store.close()
+            self._wait(RETRY_WAIT)
+            if self._stop:
+                return None
+
+    def _set_failing(self, why: str | None) -> None:
+        """``failing``, and for a writer process its status file, written only when it changes."""
+        if why == self.failing:
+            return
+        self.failing = why
+        if self.status_path is not None:
+            try:
+                temporary = self.status_path.with_suffix(".tmp")
+                temporary.write_text(json.dumps({"error": why}))
+                os.replace(temporary, self.status_path)
+            except OSError:
+                pass  # the journal's folder is full or gone: the log has said it
 
     def _wait(self, timeout: float | None) -> bool:
         """Until woken (True) or ``timeout`` passed. A writer process is woken by a newline on its stdin;
@@ -138,17 +179,17 @@ class Writer:
             ingest.unreadable = counted  # counted again when the batch is
             if self.failing is None:
                 log.warning(f"stepmill: the database takes no writes now ({exc}); calls stay in the journal")
-            self.failing = str(exc)
+            self._set_failing(str(exc))
             return False
         except Exception as exc:  # a bug, a journal that cannot be read: never the writer's silent end
             ingest.unreadable = counted
             if self.failing is None:
                 log.exception("stepmill: the writer failed; calls stay in the journal and it tries again")
-            self.failing = f"{type(exc).__name__}: {exc}"
+            self._set_failing(f"{type(exc).__name__}: {exc}")
             return False
         if self.failing is not None:
             log.warning("stepmill: the database takes writes again")
-            self.failing = None
+            self._set_failing(None)
         self._positions[journal.id] = entries[-1][0]
         self.committed += len(entries)
         self.last_commit = time.time()
@@ -207,6 +248,7 @@ class ProcessWriter:
             [sys.executable, "-m", "stepmill.pipeline.writer", "--db", db_path, "--journal", str(journal.folder),
              "--priority", priority],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=None)
+        self.status_path = journal.status_path
         self._lock = threading.Lock()
 
     def notify(self) -> None:
@@ -218,8 +260,15 @@ class ProcessWriter:
                 pass  # the writer is gone; the journal keeps the calls for the next one
 
     def status(self) -> dict:
+        """Alive while its process runs; its error, why it is behind, as the writer last wrote it."""
         code = self.process.poll()
-        return {"alive": code is None, "error": None if code is None else f"the writer process exited ({code})"}
+        if code is not None:
+            return {"alive": False, "error": f"the writer process exited ({code})"}
+        try:
+            error = json.loads(self.status_path.read_text())["error"]
+        except (OSError, ValueError, KeyError, TypeError):
+            error = None  # nothing written yet: it never failed
+        return {"alive": True, "error": error}
 
     def close(self, timeout: float = 30.0) -> None:
         try:
@@ -283,7 +332,9 @@ def _serve_process(db_path: str, folder: Path, priority: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     chosen = Priority(priority)
     chosen.apply()
-    Writer(db_path, folder, chosen, stdin=sys.stdin.fileno()).run()
+    writer = Writer(db_path, folder, chosen, stdin=sys.stdin.fileno())
+    writer.status_path = writer.journal.status_path
+    writer.run()
 
 
 def main(argv=None) -> None:
