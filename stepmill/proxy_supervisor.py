@@ -52,8 +52,11 @@ RESTART_WINDOW = 60.0
 
 
 def default_workers() -> int:
-    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
-                      MAX_WORKERS))
+    """One per core but one, at most MAX_WORKERS: the spare core runs the writers, which parse and
+    commit every call, and the agents. On two cores a second worker serves no more streamed calls and
+    costs each about a fifth more CPU (docs/fleet/workers.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores - 1, MAX_WORKERS))
 
 
 def _die_with_parent() -> None:

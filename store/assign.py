@@ -74,11 +74,13 @@ def find_parent(conn: sqlite3.Connection, rec: StepRecord, trajectory_id: str | 
 
 
 def ensure_trajectory(conn: sqlite3.Connection, trajectory_id: str, *, group_id=None, channel=None,
-                      default_channel=None, source=None, metadata=None, policy_version=None, created_at: str) -> dict:
+                      default_channel=None, source=None, metadata=None, policy_version=None, created_at: str,
+                      minted: bool = False) -> dict:
     """The trajectory's row, created if new. A trajectory's group and channel hold for all its steps:
     an explicit group replaces an automatic one (``g-…``), an explicit channel replaces the current
-    one, and the steps already recorded follow."""
-    row = conn.execute("SELECT group_id, channel, status FROM trajectories WHERE id = ?", [trajectory_id]).fetchone()
+    one, and the steps already recorded follow. ``minted``: an id made just now, which no row has."""
+    row = None if minted else conn.execute("SELECT group_id, channel, status FROM trajectories WHERE id = ?",
+                                           [trajectory_id]).fetchone()
     if row is None:
         conn.execute(
             "INSERT INTO trajectories (id, group_id, channel, source, status, metadata, policy_version, created_at)"

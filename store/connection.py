@@ -21,6 +21,11 @@ from stepmill.store.migrations import MIGRATIONS, migrate, pending
 from stepmill.store.sql_errors import file_errors
 
 BUSY_TIMEOUT_MS = 30000
+# Every commit writes each page it touched whole to the WAL: a captured call touches about 25 (the steps
+# row and its indexes, its trajectory, the search index, the journal position), so the page size sets
+# what a commit costs. 4 KiB pages cost half the CPU of 16 KiB ones per call committed alone
+# (bench/commit_bench.py), and reads of token rows (overflow pages for their ids) are no slower.
+PAGE_SIZE = 4096
 CHECKPOINT_MODES = ("PASSIVE", "FULL", "RESTART", "TRUNCATE")
 
 def _private_database(path: str) -> None:
@@ -74,8 +79,7 @@ def open_database(path: str, *, readonly: bool = False) -> tuple[sqlite_utils.Da
         conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False, isolation_level=None)
         db = sqlite_utils.Database(conn)
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        # Steps are rows of a few KB; bigger pages waste less of each page (only takes effect on a new file).
-        conn.execute("PRAGMA page_size = 16384")
+        conn.execute(f"PRAGMA page_size = {PAGE_SIZE}")  # only takes effect on a new file
         if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
             db.enable_wal()
         conn.execute("PRAGMA synchronous = NORMAL")

@@ -19,6 +19,7 @@ given, as constructor arguments, the connection and the other parts it uses:
 - ``reviewers`` (``reviewers.Reviewers``): the UI's named reviewers and their sign-in tokens
 - ``training`` (``training.Training``): training runs' numbers per policy version
 - ``rows`` (``token_rows.TokenRows``): steps as trainers read them (ids, logprobs, reward, place)
+- ``search`` (``search.SearchIndex``): the full-text index, filled after the steps' commit
 
 The UI's page queries are ``views``' functions of a ``Store``; the schema is ``migrations``'.
 
@@ -46,6 +47,7 @@ from stepmill.store.export import Export
 from stepmill.store.history import History
 from stepmill.store.reviewers import Reviewers
 from stepmill.store.runs import Runs
+from stepmill.store.search import SearchIndex
 from stepmill.store.state import State
 from stepmill.store.steps import Steps
 from stepmill.store.token_ids import TokenIds
@@ -101,6 +103,7 @@ class Store:
         self.reviewers = Reviewers(tx)
         self.training = Training(tx)
         self.rows = TokenRows(tx)
+        self.search = SearchIndex(tx)
 
     # -- connection and transactions ------------------------------------------------------------
     close = forward("transactions", Transactions.close)
@@ -161,6 +164,10 @@ class Store:
 
     # -- token rows (what trainers read of steps) ------------------------------------------------
     token_rows = forward("rows", TokenRows.token_rows)
+
+    # -- the full-text index ---------------------------------------------------------------------
+    index_search = forward("search", SearchIndex.index_search)
+    search_behind = forward("search", SearchIndex.search_behind)
 
     # -- export ---------------------------------------------------------------------------------
     step = forward("export", Export.step)

@@ -286,6 +286,38 @@ def _m014_engine_api(db: sqlite_utils.Database) -> None:
                    " AND EXISTS (SELECT 1 FROM json_each(metadata, '$.notes') WHERE value = ?)", [api, note])
 
 
+def _m015_lean_indexes(db: sqlite_utils.Database) -> None:
+    # Every index is a page more in each commit of a captured call: steps(continuation_key) alone is the
+    # prefix of steps(continuation_key, trajectory_id), which answers each of its lookups.
+    db.execute("DROP INDEX IF EXISTS idx_steps_continuation_key")
+
+
+SEARCH_MARK = "search_indexed"  # the state key: every steps rowid up to it is in steps_fts
+SEARCH_MARK_SQL = f"coalesce((SELECT CAST(value AS INTEGER) FROM state WHERE key = '{SEARCH_MARK}'), 0)"
+
+
+def _m016_search_later(db: sqlite_utils.Database) -> None:
+    # Steps are put in the full-text index after their commit, in batches (store/search.py): the
+    # insert trigger goes. Rows already indexed (at or under the mark) are kept current on a delete
+    # and on an edit of the indexed columns only (a reward or a token column is no edit of the text).
+    for trigger in ("steps_ai", "steps_ad", "steps_au"):
+        db.execute(f"DROP TRIGGER IF EXISTS {trigger}")
+    db.execute(f"""CREATE TRIGGER steps_ad AFTER DELETE ON steps BEGIN
+        INSERT INTO steps_fts (steps_fts, rowid, messages_suffix, completion)
+          SELECT 'delete', old.rowid, old.messages_suffix, old.completion WHERE old.rowid <= {SEARCH_MARK_SQL};
+        UPDATE state SET value = CAST(coalesce((SELECT max(rowid) FROM steps), 0) AS TEXT)
+          WHERE key = '{SEARCH_MARK}' AND CAST(value AS INTEGER) > coalesce((SELECT max(rowid) FROM steps), 0);
+    END""")  # the mark comes down with the newest rows deleted: the rowids they had are given again
+    db.execute(f"""CREATE TRIGGER steps_au AFTER UPDATE OF messages_suffix, completion ON steps
+      WHEN old.rowid <= {SEARCH_MARK_SQL} BEGIN
+        INSERT INTO steps_fts (steps_fts, rowid, messages_suffix, completion)
+          VALUES ('delete', old.rowid, old.messages_suffix, old.completion);
+        INSERT INTO steps_fts (rowid, messages_suffix, completion) VALUES (new.rowid, new.messages_suffix, new.completion);
+    END""")
+    db.execute("INSERT OR REPLACE INTO state (key, value) SELECT ?, CAST(coalesce(max(rowid), 0) AS TEXT) FROM steps",
+               [SEARCH_MARK])  # the old triggers indexed every row there is
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("capture", _m001_capture),
     ("tokens", _m002_tokens),
@@ -301,6 +333,8 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("consumption_sessions", _m012_consumption_sessions),
     ("doors", _m013_doors),
     ("engine_api", _m014_engine_api),
+    ("lean_indexes", _m015_lean_indexes),
+    ("search_later", _m016_search_later),
 ]
 
 

@@ -63,7 +63,8 @@ class Steps:
         step_id = new_id("s")
         continuation = messages + ([completion] if completion else [])
         keys = linking.rolling_keys(continuation)  # keys[k] identifies continuation[:k+1]
-        loose = linking.rolling_keys(linking.without_system(continuation))
+        unsystematic = linking.without_system(continuation)
+        loose = keys if len(unsystematic) == len(continuation) else linking.rolling_keys(unsystematic)
         loose_message_keys = loose[: len(linking.without_system(messages))]
         system_hash = linking.system_hash(messages)
         explicit = rec.trajectory_id or rec.session_id
@@ -87,7 +88,7 @@ class Steps:
         traj = ensure_trajectory(
             conn, trajectory_id, group_id=rec.group_id or linking.prompt_group_key(messages),
             channel=text_column(rec.channel), default_channel=text_column(rec.default_channel), source=source,
-            policy_version=text_column(rec.policy_version), created_at=now_iso(),
+            policy_version=text_column(rec.policy_version), created_at=now_iso(), minted=minted,
         )
         step_index = int_column(rec.step_index)
         if step_index is None and minted:

@@ -21,7 +21,7 @@ from stepmill.cli.stores import open_writer
                    "reachable as http://stepmill.local through the proxy).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Proxy processes accepting on the same ports, each with its own journal and writer "
-                   "(default: one per core, at most 8). 1: one process, as without workers.")
+                   "(default: one per core but one, at most 8). 1: one process, as without workers.")
 @db_option
 @confdir_option
 @click.argument("mitmproxy_args", nargs=-1, type=click.UNPROCESSED)

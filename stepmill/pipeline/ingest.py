@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from stepmill.errors import StoreUnavailable
 from stepmill.store import Store
-from stepmill.protocols import Completion, ParsedRequest, Protocol, ProtocolError, by_api
+from stepmill.protocols import Completion, ParsedRequest, Protocol, ProtocolError, by_api, registry
 from stepmill.protocols.base import load_json_object
 from stepmill.protocols.streams import assemble
 from stepmill.pipeline import engine_render
@@ -29,6 +29,7 @@ log = logging.getLogger("stepmill")
 class Ingest:
     def __init__(self, store: Store):
         self.store = store
+        registry.load()  # the protocols, entry points included (a scan of every installed package): before any call
         # Responses that primed a WebSocket (generate: false) are no steps, but later turns chain to them.
         self.warmups: OrderedDict[str, tuple[list, list]] = OrderedDict()
         self.unreadable = 0  # calls kept as error steps because reading them raised (a parser's bug)

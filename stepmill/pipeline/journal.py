@@ -104,6 +104,7 @@ class Journal:
         self._append = None
         self._segment = 0
         self._reader: tuple[int, int] | None = None  # (segment, fd) the writer read last: kept open between reads
+        self._dropped_below = 0  # segments under this number are dropped already
 
     @classmethod
     def create(cls, db_path) -> "Journal":
@@ -301,10 +302,14 @@ class Journal:
         return True
 
     def drop_before(self, position: Position) -> None:
-        """Segments wholly before the committed position are no longer needed."""
+        """Segments wholly before the committed position are no longer needed (the folder is listed
+        only when the position reached a segment it had not)."""
+        if position.segment <= self._dropped_below:
+            return
         for path in self.segments():
             if int(path.stem) < position.segment and int(path.stem) != self._segment:
                 path.unlink(missing_ok=True)
+        self._dropped_below = position.segment
 
 
 def stats_with_backlog(store) -> dict:

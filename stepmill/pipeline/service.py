@@ -79,6 +79,7 @@ class Pipeline:
             await asyncio.sleep(POLL)
         end = self.journal.end()
         loop = asyncio.get_running_loop()
+        await loop.run_in_executor(executor, self.writer.flush)  # now, not at the end of its window
         while time.monotonic() < deadline:
             if await loop.run_in_executor(executor, lambda: self.journal.committed(self.store) >= end):
                 return True

@@ -31,17 +31,19 @@ from pathlib import Path
 from stepmill.errors import StoreUnavailable
 from stepmill.store import Store
 from stepmill.pipeline.call_record import CallRecord
-from stepmill.pipeline.handoff import BATCH_WAIT
+from stepmill.pipeline.handoff import COMMIT_WINDOW
 from stepmill.pipeline.ingest import Ingest
 from stepmill.pipeline.journal import UNREADABLE_KEY, Journal, Position, state_key
 
 log = logging.getLogger("stepmill")
 
 BATCH_BYTES = 8 * 1024 * 1024  # journal bytes per transaction at most
-# BATCH_WAIT (handoff.py): seconds the writer waits for more calls before committing what it has
+# COMMIT_WINDOW (handoff.py): seconds the writer gathers calls before committing them, unless asked to flush
 CHECKPOINT_WAL_BYTES = 32 * 1024 * 1024  # the writer checkpoints after committing this much, or when idle
 CHECKPOINT_IDLE = 5.0  # seconds without calls after which the WAL is checkpointed
+SEARCH_WAIT = 1.0  # seconds from a commit to its steps in the full-text index (store/search.py), at most
 RETRY_WAIT = 0.5  # after a locked database or a full disk
+FLUSH = b"f"  # on a writer process's stdin: commit now (a newline only wakes it)
 
 
 class Writer:
@@ -55,17 +57,25 @@ class Writer:
         self._wake = threading.Event()
         self._stdin = stdin  # a writer process: the proxy's wake-ups, read here (no thread between per call)
         self._stop = False
+        self._flush_asked = False  # commit what there is now, without the rest of the window
+        self._again = False  # a wake-up came while gathering: gather and read once more (see _gather)
         self.committed = 0
         self.last_commit: float | None = None
         self.failing: str | None = None  # why the last batch did not commit (it is tried again)
         # A writer process tells the proxy why it is behind through this file (None: a thread, read directly).
         self.status_path: Path | None = None
         self._since_checkpoint = 0
+        self._unindexed_since: float | None = None  # when steps were first committed past the search index
         # Each journal's committed position, read from the store once: this writer is the only one that
         # commits it (a journal is locked while its writer lives), so memory stays true after each commit.
         self._positions: dict[str, Position] = {}
 
     def wake(self) -> None:
+        self._wake.set()
+
+    def flush(self) -> None:
+        """Commit what the journal holds now (a barrier waits for it), not at the end of the window."""
+        self._flush_asked = True
         self._wake.set()
 
     def stop(self) -> None:
@@ -79,17 +89,27 @@ class Writer:
         store, ingest = opened
         dirty = False
         while True:
-            woken = self._wait(RETRY_WAIT if self.failing else (CHECKPOINT_IDLE if dirty else None))
-            if not woken and dirty and not self.failing:
-                self._checkpoint(store, "PASSIVE")  # idle: a good moment to fold the WAL into the file
-                dirty = False
+            woken = self._wait(self._timeout(dirty))
+            if not woken and not self.failing:
+                if self._unindexed_since is not None:
+                    self._index_search(store)
+                elif dirty:
+                    self._checkpoint(store, "PASSIVE")  # idle: a good moment to fold the WAL into the file
+                    dirty = False
                 continue
             stopping = self._stop
-            time.sleep(BATCH_WAIT if not stopping else 0)  # let a burst of calls share one transaction
+            if woken:
+                self._gather()
             before = self.committed
             while self._drain(store, ingest, self.journal):
                 pass
-            dirty = dirty or self.committed > before
+            if self.committed > before:
+                dirty = True
+                if self._unindexed_since is None:
+                    self._unindexed_since = time.monotonic()
+            if self._unindexed_since is not None and (
+                    stopping or time.monotonic() - self._unindexed_since >= SEARCH_WAIT):
+                self._index_search(store)  # under a steady stream of calls, once per SEARCH_WAIT
             if stopping and not self.failing:
                 break
         self._checkpoint(store, "TRUNCATE")
@@ -126,6 +146,45 @@ class Writer:
             if self._stop:
                 return None
 
+    def _gather(self) -> None:
+        """Let the calls of one COMMIT_WINDOW share a transaction, unless a flush or a stop comes first.
+
+        The handoff wakes the writer at most once a window and counts on a woken writer reading the
+        journal a window after the wake-up. A wake-up (or a flush) taken in here came after this
+        window began, so it is kept for the next one: the calls it announced, and those it left
+        unannounced, are read then."""
+        deadline = time.monotonic() + COMMIT_WINDOW
+        again = False
+        while not (self._flush_asked or self._stop):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            again = self._wait(left) or again
+        self._again = again or self._flush_asked
+        self._flush_asked = False
+
+    def _timeout(self, dirty: bool) -> float | None:
+        """How long to wait for calls before the next thing to do when none come."""
+        if self.failing:
+            return RETRY_WAIT
+        if self._unindexed_since is not None:
+            return max(0.0, SEARCH_WAIT - (time.monotonic() - self._unindexed_since))
+        return CHECKPOINT_IDLE if dirty else None
+
+    def _index_search(self, store: Store) -> None:
+        """The steps committed since the last time into the full-text index, in transactions of their
+        own: a step is searchable within SEARCH_WAIT, and no call's commit pays for it. What fails is
+        tried again at the next batch (searching waits; capturing never does)."""
+        try:
+            with self.priority.raised():
+                store.index_search()
+            self._unindexed_since = None
+        except Exception as exc:
+            if self._unindexed_since is not None and time.monotonic() - self._unindexed_since < 2 * SEARCH_WAIT:
+                log.warning(f"stepmill: the writer could not update the search index ({type(exc).__name__}: {exc});"
+                            " it tries again")
+            self._unindexed_since = time.monotonic()
+
     def _set_failing(self, why: str | None) -> None:
         """``failing``, and for a writer process its status file, written only when it changes."""
         if why == self.failing:
@@ -140,8 +199,11 @@ class Writer:
                 pass  # the journal's folder is full or gone: the log has said it
 
     def _wait(self, timeout: float | None) -> bool:
-        """Until woken (True) or ``timeout`` passed. A writer process is woken by a newline on its stdin;
-        end of input (the proxy closed it, or died) stops it."""
+        """Until woken (True) or ``timeout`` passed. A writer process is woken by a newline on its stdin
+        and asked to flush by FLUSH; end of input (the proxy closed it, or died) stops it."""
+        if self._again:
+            self._again = False
+            return True
         if self._stdin is None:
             woken = self._wake.wait(timeout)
             self._wake.clear()
@@ -149,9 +211,12 @@ class Writer:
         ready, _, _ = select.select([self._stdin], [], [], timeout)
         if not ready:
             return False
-        if not os.read(self._stdin, 65536):
+        told = os.read(self._stdin, 65536)
+        if not told:
             self._stdin = None
             self.stop()
+        elif FLUSH in told:
+            self._flush_asked = True
         return True
 
     def _drain(self, store: Store, ingest: Ingest, journal: Journal) -> bool:
@@ -232,6 +297,9 @@ class ThreadWriter:
     def notify(self) -> None:
         self.writer.wake()
 
+    def flush(self) -> None:
+        self.writer.flush()
+
     def status(self) -> dict:
         return {"alive": self.thread.is_alive(), "error": self.writer.failing}
 
@@ -252,9 +320,15 @@ class ProcessWriter:
         self._lock = threading.Lock()
 
     def notify(self) -> None:
+        self._tell(b"\n")
+
+    def flush(self) -> None:
+        self._tell(FLUSH + b"\n")
+
+    def _tell(self, what: bytes) -> None:
         with self._lock:
             try:
-                self.process.stdin.write(b"\n")
+                self.process.stdin.write(what)
                 self.process.stdin.flush()
             except (BrokenPipeError, ValueError, OSError):
                 pass  # the writer is gone; the journal keeps the calls for the next one

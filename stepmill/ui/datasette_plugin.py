@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import threading
@@ -34,7 +35,7 @@ from datasette.utils import await_me_maybe, tilde_encode
 from datasette.utils.asgi import Request, Response
 from markupsafe import Markup, escape
 
-from stepmill.errors import NotFound
+from stepmill.errors import NotFound, StoreUnavailable
 from stepmill.protocols.messages import content_text
 from stepmill.store import Store, views
 from stepmill.ui import dashboard
@@ -57,6 +58,8 @@ def _segment(request, key: str) -> str:
     """The id in the path: Datasette routes on the raw, still percent-encoded path; decoded once here."""
     return unquote(request.url_vars[key])
 
+
+log = logging.getLogger("stepmill")
 
 _stores: dict[str, Store] = {}
 # One Store connection per file; one lock for all of them (a Store's connection is not shared between
@@ -383,6 +386,29 @@ def _refusal(path: str, method: str) -> Response:
     return Response.html("<h1>Sign in first</h1>", status=403)
 
 
+_SEARCHES = re.compile(rb"(^|[?&])_search|steps_fts")  # a table search, or SQL over the full-text index
+
+
+def _searches(path: str, query: bytes) -> bool:
+    """Whether a request reads the full-text index: the stored search query, a table's search box,
+    or SQL that names it."""
+    return path.rpartition("/")[2] in ("search", "search.json") or bool(_SEARCHES.search(query))
+
+
+def _index_search(datasette) -> None:
+    """Every writable file's newest steps into its full-text index (the writer indexes within a
+    second; a search answers with all of them)."""
+    for db in _files(datasette):
+        with _lock:
+            store = _store(db.path)
+            if store.readonly:
+                continue
+            try:
+                store.index_search()
+            except StoreUnavailable as exc:  # locked past the timeout: search what is indexed
+                log.warning(f"stepmill: the search index of {db.path} could not be brought up to date ({exc})")
+
+
 @hookimpl
 def asgi_wrapper(datasette):
     """Nobody anonymous reads anything: every page, table, query and JSON API, ours and Datasette's
@@ -397,6 +423,8 @@ def asgi_wrapper(datasette):
             if base != "/" and path.startswith(base):
                 path = "/" + path[len(base):]
             if _OPEN.match(path) or await _signed_in(datasette, scope, receive):
+                if _searches(path, scope.get("query_string") or b""):
+                    await asyncio.to_thread(_index_search, datasette)
                 return await app(scope, receive, send)
             await _refusal(path, scope.get("method", "GET")).asgi_send(send)
 
