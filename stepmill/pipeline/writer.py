@@ -65,7 +65,9 @@ class Writer:
         # A writer process tells the proxy why it is behind through this file (None: a thread, read directly).
         self.status_path: Path | None = None
         self._since_checkpoint = 0
-        self._unindexed_since: float | None = None  # when steps were first committed past the search index
+        # When steps were first committed past the search index; at start, a look at whether anyone's are.
+        self._unindexed_since: float | None = time.monotonic()
+        self._search_failing = False
         # Each journal's committed position, read from the store once: this writer is the only one that
         # commits it (a journal is locked while its writer lives), so memory stays true after each commit.
         self._positions: dict[str, Position] = {}
@@ -179,10 +181,14 @@ class Writer:
             with self.priority.raised():
                 store.index_search()
             self._unindexed_since = None
+            if self._search_failing:
+                log.warning("stepmill: the writer updates the search index again")
+                self._search_failing = False
         except Exception as exc:
-            if self._unindexed_since is not None and time.monotonic() - self._unindexed_since < 2 * SEARCH_WAIT:
+            if not self._search_failing:
                 log.warning(f"stepmill: the writer could not update the search index ({type(exc).__name__}: {exc});"
                             " it tries again")
+                self._search_failing = True
             self._unindexed_since = time.monotonic()
 
     def _set_failing(self, why: str | None) -> None:
