@@ -38,7 +38,7 @@ import stepmill.pipeline.writer as writer_module
 from stepmill.pipeline.call_record import Call, CallRecord
 from stepmill.pipeline.handoff import Handoff
 from stepmill.pipeline.journal import Journal
-from stepmill.pipeline.writer import Writer
+from stepmill.pipeline.writer import SEARCH_WAIT, Writer
 from stepmill.store import Store
 from stepmill.store.migrations import SEARCH_MARK
 
@@ -97,18 +97,21 @@ def replay(folder: Path, source: Path, page_size: int, index_in_commit: bool, wi
     per_commit = max(1, round(window / CALL_SECONDS))
     sizes = [len(payload) for _, payload in writer.journal.read(writer.journal.committed(store), 1 << 40)]
     writer_module.BATCH_BYTES = int((per_commit - 0.5) * statistics.mean(sizes))  # read that many calls a batch
-    spent, calls = 0.0, 0
+    spent, calls, unindexed = 0.0, 0, 0.0
     try:
         while True:
             time.sleep(CALL_SECONDS * per_commit)  # the calls of one window arrive; the writer sleeps meanwhile
             started = time.thread_time()
             before = writer.committed
             writer._drain(store, ingest, writer.journal)
-            if writer.committed == before:
-                break
-            if not index_in_commit:
-                store.index_search()  # once a window here; the writer does it once a second
+            done = writer.committed == before
+            unindexed += CALL_SECONDS * per_commit
+            if not index_in_commit and (unindexed >= SEARCH_WAIT or done):
+                store.index_search()  # as the writer: once a SEARCH_WAIT while calls come
+                unindexed = 0.0
             spent += time.thread_time() - started
+            if done:
+                break
             calls += writer.committed - before
     finally:
         store.close()

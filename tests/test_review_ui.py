@@ -124,6 +124,24 @@ def test_search_finds_a_command_in_conversations(proxy, marker, ui):
     assert len(rows) >= 1 and all("rm -rf" in r["match"].replace("[", "").replace("]", "") for r in rows)
 
 
+def test_search_finds_a_step_no_writer_has_indexed_yet(proxy, marker, ui):
+    """Steps enter the full-text index after their commit; a search through the UI brings it up to
+    date first (here a step written straight to the store, which no writer's index pass has seen)."""
+    from stepmill.store import StepRecord, Store
+
+    store = Store(proxy.db)
+    try:
+        step = store.record_step(StepRecord(api="openai.chat", messages=[
+            {"role": "user", "content": f"unindexed {marker}"}], completion={"role": "assistant", "content": "ok"}))
+        assert store.search_behind() >= 1
+    finally:
+        store.close()
+    for path in (f"/{proxy.db.stem}/search.json?" + urllib.parse.urlencode({"q": marker, "_shape": "objects"}),
+                 f"/{proxy.db.stem}/steps.json?" + urllib.parse.urlencode({"_search": marker, "_shape": "objects"})):
+        status, body, _ = ui.get(path)
+        assert status == 200 and step in {row["id"] for row in json.loads(body)["rows"]}, path
+
+
 def test_a_drift_is_shown_where_it_is(proxy, marker, ui):
     client = proxy.client()
     run = client.start_trajectory(trajectory_id=f"drift-{marker}")
