@@ -3,12 +3,13 @@
 with them.
 
 A step indexed in the transaction that records it costs that commit a new FTS5 segment and its
-merge work: about half of what committing one captured call costs. So steps are recorded without it
+merge work: about two thirds of the SQL time of recording one captured call. So steps are recorded without it
 and indexed here in batches, every row above the ``search_indexed`` mark (a ``state`` key: the
 highest steps rowid in the index), by the writer within ``SEARCH_WAIT`` (pipeline/writer.py) of
 their commit, and by the UI before it answers a search. Rows at or under the mark are kept current
-by the triggers of migration 16 (a delete or an edit of the two columns); rowids only grow (no
-``VACUUM``: the index names rows by rowid).
+by the triggers of migration 16 (a delete or an edit of the two columns). The index names rows by
+rowid: a rowid is given again only after the newest rows are deleted, and the mark comes down with
+them (no ``VACUUM``, which may renumber rowids).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from stepmill.store.connection import Transactions
 from stepmill.store.migrations import SEARCH_MARK as MARK, SEARCH_MARK_SQL as MARK_SQL
 
-BATCH_ROWS = 2000  # rows per transaction: a long catch-up never holds the write lock for long
+BATCH_ROWS = 2000  # rows per transaction: a long catch-up takes the write lock in turns
 
 
 class SearchIndex:

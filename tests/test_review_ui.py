@@ -124,22 +124,24 @@ def test_search_finds_a_command_in_conversations(proxy, marker, ui):
     assert len(rows) >= 1 and all("rm -rf" in r["match"].replace("[", "").replace("]", "") for r in rows)
 
 
-def test_search_finds_a_step_no_writer_has_indexed_yet(proxy, marker, ui):
+def test_search_finds_a_step_no_writer_has_indexed_yet(tmp_path):
     """Steps enter the full-text index after their commit; a search through the UI brings it up to
-    date first (here a step written straight to the store, which no writer's index pass has seen)."""
+    date first (here steps written straight to a file no writer serves, so nothing else indexes them)."""
     from stepmill.store import StepRecord, Store
 
-    store = Store(proxy.db)
+    store = Store(tmp_path / "quiet.db")
     try:
-        step = store.record_step(StepRecord(api="openai.chat", messages=[
-            {"role": "user", "content": f"unindexed {marker}"}], completion={"role": "assistant", "content": "ok"}))
-        assert store.search_behind() >= 1
+        steps = [store.record_step(StepRecord(api="openai.chat", messages=[
+            {"role": "user", "content": f"unindexed {word}"}], completion={"role": "assistant", "content": "ok"}))
+            for word in ("kestrel", "osprey")]
+        assert store.search_behind() == 2
     finally:
         store.close()
-    for path in (f"/{proxy.db.stem}/search.json?" + urllib.parse.urlencode({"q": marker, "_shape": "objects"}),
-                 f"/{proxy.db.stem}/steps.json?" + urllib.parse.urlencode({"_search": marker, "_shape": "objects"})):
-        status, body, _ = ui.get(path)
-        assert status == 200 and step in {row["id"] for row in json.loads(body)["rows"]}, path
+    with UI(tmp_path / "quiet.db") as ui:
+        status, body, _ = ui.get("/quiet/search.json?" + urllib.parse.urlencode({"q": "kestrel", "_shape": "objects"}))
+        assert status == 200 and [row["id"] for row in json.loads(body)["rows"]] == steps[:1]
+        status, body, _ = ui.get("/quiet/steps.json?" + urllib.parse.urlencode({"_search": "osprey", "_shape": "objects"}))
+        assert status == 200 and [row["id"] for row in json.loads(body)["rows"]] == steps[1:]
 
 
 def test_a_drift_is_shown_where_it_is(proxy, marker, ui):

@@ -41,7 +41,7 @@ BATCH_BYTES = 8 * 1024 * 1024  # journal bytes per transaction at most
 # COMMIT_WINDOW (handoff.py): seconds the writer gathers calls before committing them, unless asked to flush
 CHECKPOINT_WAL_BYTES = 32 * 1024 * 1024  # the writer checkpoints after committing this much, or when idle
 CHECKPOINT_IDLE = 5.0  # seconds without calls after which the WAL is checkpointed
-SEARCH_WAIT = 1.0  # seconds from a commit to its steps in the full-text index (store/search.py), at most
+SEARCH_WAIT = 1.0  # seconds from a commit to its steps in the full-text index (store/search.py), while the file takes writes
 RETRY_WAIT = 0.5  # after a locked database or a full disk
 FLUSH = b"f"  # on a writer process's stdin: commit now (a newline only wakes it)
 
@@ -95,7 +95,7 @@ class Writer:
             if not woken and not self.failing:
                 if self._unindexed_since is not None:
                     self._index_search(store)
-                elif dirty:
+                if dirty and time.time() - (self.last_commit or 0) >= CHECKPOINT_IDLE:
                     self._checkpoint(store, "PASSIVE")  # idle: a good moment to fold the WAL into the file
                     dirty = False
                 continue
@@ -109,7 +109,7 @@ class Writer:
                 dirty = True
                 if self._unindexed_since is None:
                     self._unindexed_since = time.monotonic()
-            if self._unindexed_since is not None and (
+            if self._unindexed_since is not None and not self.failing and (
                     stopping or time.monotonic() - self._unindexed_since >= SEARCH_WAIT):
                 self._index_search(store)  # under a steady stream of calls, once per SEARCH_WAIT
             if stopping and not self.failing:
@@ -137,6 +137,7 @@ class Writer:
                 if self.failing is not None and self.failing.startswith("the writer cannot start"):
                     log.warning("stepmill: the writer started")
                     self._set_failing(None)
+                self._again = True  # the wake-ups taken while it could not start: read its journal first
                 return store, ingest
             except Exception as exc:
                 if self.failing is None:
@@ -169,9 +170,12 @@ class Writer:
         """How long to wait for calls before the next thing to do when none come."""
         if self.failing:
             return RETRY_WAIT
+        waits = []
         if self._unindexed_since is not None:
-            return max(0.0, SEARCH_WAIT - (time.monotonic() - self._unindexed_since))
-        return CHECKPOINT_IDLE if dirty else None
+            waits.append(SEARCH_WAIT - (time.monotonic() - self._unindexed_since))
+        if dirty:
+            waits.append(CHECKPOINT_IDLE - (time.time() - (self.last_commit or 0)))
+        return max(0.0, min(waits)) if waits else None
 
     def _index_search(self, store: Store) -> None:
         """The steps committed since the last time into the full-text index, in transactions of their
@@ -211,9 +215,10 @@ class Writer:
             self._again = False
             return True
         if self._stdin is None:
-            woken = self._wake.wait(timeout)
-            self._wake.clear()
-            return woken
+            if self._wake.wait(timeout):
+                self._wake.clear()  # only once woken: a wake-up set after a timeout waits for the next look
+                return True
+            return False
         ready, _, _ = select.select([self._stdin], [], [], timeout)
         if not ready:
             return False

@@ -35,7 +35,7 @@ from datasette.utils import await_me_maybe, tilde_encode
 from datasette.utils.asgi import Request, Response
 from markupsafe import Markup, escape
 
-from stepmill.errors import NotFound, StoreUnavailable
+from stepmill.errors import NotFound
 from stepmill.protocols.messages import content_text
 from stepmill.store import Store, views
 from stepmill.ui import dashboard
@@ -390,9 +390,9 @@ _SEARCHES = re.compile(rb"(^|[?&])_search|steps_fts")  # a table search, or SQL 
 
 
 def _searches(path: str, query: bytes) -> bool:
-    """Whether a request reads the full-text index: the stored search query, a table's search box,
-    or SQL that names it."""
-    return path.rpartition("/")[2] in ("search", "search.json") or bool(_SEARCHES.search(query))
+    """Whether a request reads the full-text index: the stored search query or the index's own table
+    (any format), a table's search box, or SQL that names it."""
+    return path.rpartition("/")[2].partition(".")[0] in ("search", "steps_fts") or bool(_SEARCHES.search(query))
 
 
 def _index_search(datasette) -> None:
@@ -400,13 +400,13 @@ def _index_search(datasette) -> None:
     second; a search answers with all of them)."""
     for db in _files(datasette):
         with _lock:
-            store = _store(db.path)
-            if store.readonly:
-                continue
             try:
-                store.index_search()
-            except StoreUnavailable as exc:  # locked past the timeout: search what is indexed
-                log.warning(f"stepmill: the search index of {db.path} could not be brought up to date ({exc})")
+                store = _store(db.path)
+                if not store.readonly:
+                    store.index_search()
+            except Exception as exc:  # locked past the timeout, no stepmill file: search what is indexed
+                log.warning(f"stepmill: the search index of {db.path} could not be brought up to date "
+                            f"({type(exc).__name__}: {exc})")
 
 
 @hookimpl
