@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -31,7 +32,7 @@ from stepmill import proxy_onboarding
 
 proxy_onboarding.defer()  # before mitmproxy's addons: their mitm.it page (Flask) loads when first asked for
 
-from mitmproxy import addonmanager, addons, ctx, exceptions, hooks, master  # noqa: E402
+from mitmproxy import addonmanager, addons, ctx, exceptions, flow, hooks, master  # noqa: E402
 from mitmproxy import log as mitmproxy_log  # noqa: E402
 from mitmproxy.addons import dumper, errorcheck, keepserving, readfile  # noqa: E402
 from mitmproxy.proxy import events, layer, mode_servers  # noqa: E402
@@ -43,6 +44,17 @@ from stepmill.addon.main import StepmillAddon  # noqa: E402
 from stepmill.proxy_supervisor import LISTENERS_ENV  # noqa: E402
 
 log = logging.getLogger(__name__)
+
+
+_ARG_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _args(event: hooks.Hook) -> list:
+    """``event.args()``, its fields' names looked up once per kind of event (dataclasses.fields is slow)."""
+    names = _ARG_NAMES.get(type(event))
+    if names is None:
+        names = _ARG_NAMES[type(event)] = tuple(field.name for field in dataclasses.fields(event))
+    return [getattr(event, name) for name in names]
 
 
 class LeanAddonManager(addonmanager.AddonManager):
@@ -86,8 +98,19 @@ class LeanAddonManager(addonmanager.AddonManager):
     def handles(self, event: hooks.Hook) -> bool:
         return bool(self._handlers(event))
 
+    _update_probe = hooks.UpdateHook([])
+
+    async def handle_lifecycle(self, event: hooks.Hook):
+        """As mitmproxy's, but the ``update`` event that follows every flow event is made only while an
+        addon handles it (none of mitmdump's do)."""
+        await self.trigger_event(event)
+        if self.handles(self._update_probe):
+            message = _args(event)[0]
+            if isinstance(message, flow.Flow):
+                await self.trigger_event(hooks.UpdateHook([message]))
+
     def trigger(self, event: hooks.Hook):
-        args = event.args()
+        args = _args(event)
         for addon, func in self._handlers(event):
             try:
                 if inspect.iscoroutinefunction(func):
@@ -102,7 +125,7 @@ class LeanAddonManager(addonmanager.AddonManager):
                 log.error(f"Addon error: {exc}", exc_info=True)
 
     async def trigger_event(self, event: hooks.Hook):
-        args = event.args()
+        args = _args(event)
         for addon, func in self._handlers(event):
             try:
                 result = func(*args)

@@ -121,6 +121,7 @@ class Store:
     policy_version = forward("state", State.policy_version)
     set_policy_version = forward("state", State.set_policy_version)
     policy_version_at = forward("state", State.policy_version_at)
+    policy_versions_at = forward("state", State.policy_versions_at)
 
     # -- trajectories and groups ----------------------------------------------------------------
     trajectory = forward("trajectories", Trajectories.trajectory)

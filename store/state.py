@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 
 from stepmill.store.connection import Transactions
@@ -15,6 +16,11 @@ class State:
 
     def __init__(self, tx: Transactions):
         self.tx = tx
+        # The policy history as read so far, for policy_versions_at: rows are only ever appended, each
+        # set no earlier than the one before (see _set_policy_version).
+        self._history_rowid = 0
+        self._history_times: list[float] = []
+        self._history_versions: list[str | None] = []
 
     def get_state(self, key: str, default: str | None = None) -> str | None:
         with file_errors():  # the writer reads its journal's position so before every batch
@@ -68,4 +74,28 @@ class State:
             row = self.tx.conn.execute("SELECT version FROM policy_versions WHERE set_at <= ? ORDER BY set_at "
                                        "DESC, rowid DESC LIMIT 1", [when]).fetchone()
         return row[0] if row else None
+
+    def policy_versions_at(self, times: list) -> list[str | None]:
+        """``policy_version_at`` of each of ``times`` with one query (the writer asks for every call of a
+        batch): the rows added since the last look are read, the rest is remembered. A time that is no
+        number gets the latest version, as SQL orders a text after every number."""
+        with file_errors():
+            rows = self.tx.conn.execute("SELECT rowid, set_at, version FROM policy_versions WHERE rowid > ? "
+                                        "ORDER BY rowid", [self._history_rowid]).fetchall()
+        if rows:
+            self._history_rowid = rows[-1][0]
+            self._history_times += [set_at for _, set_at, _ in rows]
+            self._history_versions += [version for _, _, version in rows]
+            if any(a > b for a, b in zip(self._history_times, self._history_times[1:])):  # never so, but exact
+                pairs = sorted(zip(self._history_times, range(len(self._history_times)), self._history_versions))
+                self._history_times = [t for t, _, _ in pairs]
+                self._history_versions = [v for _, _, v in pairs]
+        out = []
+        for when in times:
+            if isinstance(when, (int, float)) and not isinstance(when, bool):
+                index = bisect.bisect_right(self._history_times, when)
+            else:
+                index = len(self._history_times)
+            out.append(self._history_versions[index - 1] if index else None)
+        return out
 

@@ -278,6 +278,36 @@ def test_a_policy_version_set_after_a_clock_step_back_still_comes_after(tmp_path
     assert store.policy_version_at(now - 7200) is None
 
 
+def test_the_writers_batch_lookup_of_policy_versions_agrees_with_the_one_call_lookup(tmp_path):
+    """``policy_versions_at`` (one query a batch, the history remembered) answers as ``policy_version_at``
+    (one query a call), also for versions another process sets between the batches, at equal times and
+    for a start time that is no number."""
+    from hypothesis import given, settings, strategies as st
+
+    path = tmp_path / "v.db"
+    Store(path).close()
+    times = st.floats(min_value=0, max_value=100, allow_nan=False)
+    steps = st.lists(st.tuples(st.one_of(st.none(), st.sampled_from("abc")), times,
+                               st.lists(st.one_of(times, st.just("?")), max_size=5)), max_size=8)
+
+    @settings(max_examples=60, deadline=None)
+    @given(steps)
+    def check(history):
+        setter, writer = Store(path), Store(path)  # the writer's store remembers; the setter is another process
+        try:
+            setter.db.conn.execute("DELETE FROM policy_versions")
+            for version, since, asked in history:
+                if version is not None:
+                    setter.set_policy_version(version, since=since)
+                expected = [writer.policy_version_at(when) for when in asked]
+                assert writer.policy_versions_at(asked) == expected
+        finally:
+            setter.close()
+            writer.close()
+
+    check()
+
+
 def test_a_batch_caches_what_it_wrote_only_once_it_commits(tmp_path):
     store = Store(tmp_path / "c.db")
 

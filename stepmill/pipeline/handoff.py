@@ -38,13 +38,16 @@ CLEAN_FAILED = "stepmill could not clean this call for recording"
 
 def redact_record(record: CallRecord) -> CallRecord:
     """The record with its header values and error text cleaned (their names are allowlisted already,
-    on the loop). Returns a copy; the record given is left as it came."""
+    on the loop): a copy where anything was taken out, else the record given (never changed here)."""
     changes: dict = {}
     if record.call.headers:
-        changes["call"] = dataclasses.replace(
-            record.call, headers={name: redact_text(value) for name, value in record.call.headers.items()})
+        headers = {name: redact_text(value) for name, value in record.call.headers.items()}
+        if headers != record.call.headers:
+            changes["call"] = dataclasses.replace(record.call, headers=headers)
     if record.error:
-        changes["error"] = redact_text(record.error)
+        error = redact_text(record.error)
+        if error != record.error:
+            changes["error"] = error
     return dataclasses.replace(record, **changes) if changes else record
 
 

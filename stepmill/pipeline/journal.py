@@ -103,6 +103,7 @@ class Journal:
         self._lock_file = None
         self._append = None
         self._segment = 0
+        self._end = 0  # where the open segment ends: this journal's appends are the only ones to it
         self._reader: tuple[int, int] | None = None  # (segment, fd) the writer read last: kept open between reads
         self._dropped_below = 0  # segments under this number are dropped already
 
@@ -189,33 +190,37 @@ class Journal:
     def append(self, entry: bytes | list) -> Position:
         """Append encoded entries (bytes, or a list of buffers written with writev); returns where the
         next entry starts. OSError when the disk refuses."""
-        if self._append is None:
-            # Each opening starts a new segment: a torn tail left by a crash stays at a segment's end.
-            existing = self.segments()
-            self._segment = int(existing[-1].stem) + 1 if existing else 1
+        if self._append is None or self._end >= SEGMENT_BYTES:
+            if self._append is None:  # each opening starts a new segment: a crash's torn tail stays at an end
+                existing = self.segments()
+                self._segment = int(existing[-1].stem) + 1 if existing else 1
+            else:
+                self._append.close()
+                self._segment += 1
             self._append = open(self._segment_path(self._segment), "ab", buffering=0, opener=private_opener)
-        elif self._append.tell() >= SEGMENT_BYTES:
-            self._append.close()
-            self._segment += 1
-            self._append = open(self._segment_path(self._segment), "ab", buffering=0, opener=private_opener)
-        start = self._append.tell()
+            self._end = os.fstat(self._append.fileno()).st_size
+        # The end is counted here, not asked of the file: each lseek would let go of the GIL, and the event
+        # loop, running meanwhile, would make this thread wait for it back.
+        start = self._end
         parts = [entry] if isinstance(entry, (bytes, bytearray, memoryview)) else list(entry)
         try:
             fd = self._append.fileno()
             for i in range(0, len(parts), 512):  # within IOV_MAX
                 chunk = parts[i:i + 512]
+                size = sum(len(p) for p in chunk)
                 written = os.writev(fd, chunk)
-                rest = memoryview(b"".join(chunk))[written:] if written < sum(len(p) for p in chunk) else b""
+                rest = memoryview(b"".join(chunk))[written:] if written < size else b""
                 while rest:  # a short write: the rest, once joined
                     more = os.write(fd, rest)
                     if not more:
                         raise OSError("the journal took no more bytes")
                     rest = rest[more:]
+                self._end += size
         except OSError:
             self._append.truncate(start)  # never leave half an entry before the next one
-            self._append.seek(0, os.SEEK_END)
+            self._end = start
             raise
-        return Position(self._segment, self._append.seek(0, os.SEEK_END))
+        return Position(self._segment, self._end)
 
     # -- reading ------------------------------------------------------------------------
     def read(self, after: Position, max_bytes: int = 8 * 1024 * 1024) -> Iterator[tuple[Position, bytes]]:

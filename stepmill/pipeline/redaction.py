@@ -57,6 +57,9 @@ _USERINFO = [re.compile(rb"(?P<pre>" + slashes + rb")(?P<value>[^/\\\s@\"'<>?#]{
 # endings of a secret's name occurs (a substring search on the lower-cased text, memchr-fast).
 _PAIR_TRIGGERS = (b'key"', b'secret"', b'password"', b'passwd"', b'token"', b'authorization"', b'credential',
                   b"key=", b"secret=", b"password=", b"passwd=", b"token=", b"authorization=")
+# On short text (header values, small bodies) one search for all of them is cheaper than thirteen.
+_ANY_TRIGGER = re.compile(b"|".join(re.escape(trigger) for trigger in _PAIR_TRIGGERS))
+_SHORT = 1024
 _WORD = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
 WINDOW = 1 << 18  # large bodies are scanned a window (a few ms) at a time, letting other threads run between
 
@@ -76,9 +79,17 @@ def _userinfo(match: re.Match) -> bytes:
         match.group("pre") + REDACTED.encode() + match.group("post")
 
 
+def _has_trigger(lowered: bytes) -> bool:
+    if len(lowered) < _SHORT:
+        return _ANY_TRIGGER.search(lowered) is not None
+    for trigger in _PAIR_TRIGGERS:
+        if trigger in lowered:
+            return True
+    return False
+
+
 def _redact_window(data: bytes) -> bytes:
-    lowered = data.lower()
-    if any(trigger in lowered for trigger in _PAIR_TRIGGERS):
+    if _has_trigger(data.lower()):
         for pattern in _PAIRS:
             data = pattern.sub(_pair, data)
     if b"@" in data:
@@ -119,9 +130,7 @@ def redact_bytes(data: bytes | bytearray | None) -> bytes | None:
     data = bytes(data)
     if len(data) <= WINDOW:
         return _redact_window(data)
-    lowered = data.lower()
-    pairs = _PAIRS if any(trigger in lowered for trigger in _PAIR_TRIGGERS) else []
-    del lowered
+    pairs = _PAIRS if _has_trigger(data.lower()) else []
     if not any(_found(pattern, data) for pattern in pairs + _USERINFO + _SHAPES):
         return data  # nothing to take out: no copy of a large body
     out, start = [], 0

@@ -243,7 +243,7 @@ class Writer:
             if not entries:
                 return False
             # Parsing first, outside the transaction: the write lock is held only for the SQL.
-            writes = [self._prepare(store, ingest, payload) for _, payload in entries]
+            writes = self._prepare(store, ingest, [payload for _, payload in entries])
             with self.priority.raised(), store.batch():
                 for write in writes:
                     write()
@@ -277,17 +277,21 @@ class Writer:
         return size >= BATCH_BYTES  # as Journal.read: it stops once this much is read
 
     @staticmethod
-    def _prepare(store: Store, ingest: Ingest, payload: bytes) -> Callable[[], str]:
-        """One journal entry's write. An entry that is no call record is an error step that says so; a
+    def _prepare(store: Store, ingest: Ingest, payloads: list[bytes]) -> list[Callable[[], str]]:
+        """Each journal entry's write. An entry that is no call record is an error step that says so; a
         call's policy version is the one in effect when it started, from the file's history: the same
         answer whichever proxy process took the call, however recently the version was set, and again
         when a journal is replayed."""
-        try:
-            record, blobs = CallRecord.from_entry(payload)
-        except Exception as exc:
-            return functools.partial(ingest.unreadable_entry, f"{type(exc).__name__}: {exc}")
-        record.policy_version = store.policy_version_at(record.started)
-        return ingest.prepare(record, blobs)
+        parsed: list = []
+        for payload in payloads:
+            try:
+                parsed.append(CallRecord.from_entry(payload))
+            except Exception as exc:
+                parsed.append(functools.partial(ingest.unreadable_entry, f"{type(exc).__name__}: {exc}"))
+        calls = [entry for entry in parsed if isinstance(entry, tuple)]
+        for (record, _), version in zip(calls, store.policy_versions_at([record.started for record, _ in calls])):
+            record.policy_version = version
+        return [ingest.prepare(*entry) if isinstance(entry, tuple) else entry for entry in parsed]
 
     def _checkpoint(self, store: Store, mode: str) -> None:
         self._since_checkpoint = 0
