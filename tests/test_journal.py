@@ -20,11 +20,15 @@ REPLY = {"id": "chatcmpl-1", "model": "m", "choices": [{"index": 0, "message": {
                                                         "finish_reason": "stop"}]}
 
 
-def entry(text: str) -> bytes:
+def record_parts(text: str) -> list:
     record = CallRecord(kind="http", call=Call(api="openai.chat", host="h", path="/v1/chat/completions"),
                         started=time.time(), ended=time.time(), http_status=200)
     request = {**CHAT, "messages": [{"role": "user", "content": text}]}
-    return b"".join(record.entry_parts([json.dumps(request).encode(), json.dumps(REPLY).encode()]))
+    return record.entry_parts([json.dumps(request).encode(), json.dumps(REPLY).encode()])
+
+
+def entry(text: str) -> bytes:
+    return b"".join(record_parts(text))
 
 
 def test_entries_round_trip_and_torn_tails_are_ignored(tmp_path):
@@ -36,6 +40,49 @@ def test_entries_round_trip_and_torn_tails_are_ignored(tmp_path):
     record, blobs = CallRecord.from_entry(read[0][1])
     assert record.call.api == "openai.chat" and json.loads(blobs[0])["messages"][0]["content"] == "one"
 
+
+def test_the_end_the_journal_counts_is_the_files_across_segments_and_refused_writes(tmp_path, monkeypatch):
+    """Append keeps the open segment's end itself (no lseek per append): every position it returns is
+    where the file ends, also after a new segment starts and after a batch the disk refused halfway
+    (its first writev of 512 buffers taken, the second refused)."""
+    import os
+
+    import stepmill.pipeline.journal as journal_module
+
+    monkeypatch.setattr(journal_module, "SEGMENT_BYTES", 1000)
+    journal = Journal.create(tmp_path / "e.db")
+    real_writev, refuse = os.writev, []
+
+    def writev(fd, buffers):
+        if refuse and refuse.pop():
+            real_writev(fd, [bytes(buffers[0])[:5]])  # part of it reached the file
+            raise OSError(28, "No space left on device")
+        return real_writev(fd, buffers)
+
+    monkeypatch.setattr(journal_module.os, "writev", writev)
+    written = []
+    for i in range(12):
+        if i == 4:  # a batch of 100 calls: its buffers take two writev calls, the second refused
+            batch = [part for k in range(100) for part in record_parts(f"lost {k}")]
+            assert len(batch) > 512
+            refuse[:] = [True, False]  # popped from the end: the first call goes through
+            monkeypatch.setattr(journal_module, "SEGMENT_BYTES", 10**6)  # the segment goes on after it
+            try:
+                journal.append(batch)
+            except OSError:
+                pass
+            else:
+                raise AssertionError("the refused batch was taken")
+            assert not refuse
+            continue
+        position = journal.append(entry(f"call {i}"))
+        assert position.offset == (journal.folder / f"{position.segment:08d}.seg").stat().st_size
+        written.append(position)
+    assert len({position.segment for position in written[:4]}) > 1
+    assert len({position.segment for position in written[4:]}) == 1
+    texts = [json.loads(CallRecord.from_entry(payload)[1][0])["messages"][0]["content"]
+             for _, payload in journal.read(Position(1, 0))]
+    assert texts == [f"call {i}" for i in range(12) if i != 4]
 
 def test_the_next_writer_replays_an_orphaned_journal(tmp_path):
     db = tmp_path / "r.db"
