@@ -25,6 +25,10 @@ class Collect:
         with open(Path(__file__).with_suffix(".log"), "a") as out:
             out.write(f"{entry.level} {entry.msg}\\n")
 
+    def update(self, flows):
+        with open(Path(__file__).with_suffix(".updates"), "a") as out:
+            out.write("".join(f"{flow.request.path}\\n" for flow in flows))
+
 addons = [Collect()]
 """
 
@@ -78,7 +82,8 @@ def writer_of(process: subprocess.Popen) -> int:
 
 def test_mitmdump_flags_and_add_log_hooks_pass_through(tmp_path):
     """`--listen-port` (mitmdump's spelling) is the port listened on, and a user's script with the
-    deprecated add_log hook still gets log entries (stepmill only skips them while nobody listens)."""
+    deprecated add_log hook still gets log entries, with an update hook the flows' updates (stepmill only
+    skips them while nobody listens)."""
     script = tmp_path / "collect.py"
     script.write_text(ADD_LOG_SCRIPT)
     process, port, log = start(tmp_path, "--listen-port", "PORT", "-s", str(script))
@@ -90,6 +95,8 @@ def test_mitmdump_flags_and_add_log_hooks_pass_through(tmp_path):
         assert status == 200
         entries = tmp_path / "collect.log"
         wait_until(lambda: entries.exists() and "client connect" in entries.read_text(), what="add_log entries")
+        updates = tmp_path / "collect.updates"
+        wait_until(lambda: updates.exists() and "/v1/health" in updates.read_text(), what="update events")
     finally:
         stop(process)
 
