@@ -70,7 +70,7 @@ class State:
 
     def policy_version_at(self, when: float) -> str | None:
         """The version in effect at ``when`` (epoch seconds): the last one set by then (None before any)."""
-        with file_errors():  # read by the writer for every call it records
+        with file_errors():  # the API's one-step lookup; the writer asks policy_versions_at
             row = self.tx.conn.execute("SELECT version FROM policy_versions WHERE set_at <= ? ORDER BY set_at "
                                        "DESC, rowid DESC LIMIT 1", [when]).fetchone()
         return row[0] if row else None

@@ -193,11 +193,13 @@ class Journal:
         if self._append is None or self._end >= SEGMENT_BYTES:
             if self._append is None:  # each opening starts a new segment: a crash's torn tail stays at an end
                 existing = self.segments()
-                self._segment = int(existing[-1].stem) + 1 if existing else 1
+                number = int(existing[-1].stem) + 1 if existing else 1
             else:
                 self._append.close()
-                self._segment += 1
-            self._append = open(self._segment_path(self._segment), "ab", buffering=0, opener=private_opener)
+                self._append, number = None, self._segment + 1
+            # The number is taken only once its file opened: a refused open retried never skips one.
+            self._append = open(self._segment_path(number), "ab", buffering=0, opener=private_opener)
+            self._segment = number
             self._end = os.fstat(self._append.fileno()).st_size
         # The end is counted here, not asked of the file: each lseek would let go of the GIL, and the event
         # loop, running meanwhile, would make this thread wait for it back.
@@ -217,8 +219,8 @@ class Journal:
                     rest = rest[more:]
                 self._end += size
         except OSError:
-            self._append.truncate(start)  # never leave half an entry before the next one
             self._end = start
+            self._append.truncate(start)  # never leave half an entry before the next one
             raise
         return Position(self._segment, self._end)
 
