@@ -4,6 +4,7 @@ command that started it."""
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import socket
 import sys
@@ -22,6 +23,18 @@ def _libc_prctl():
 # where a dlopen (ctypes.CDLL) could wait forever on a loader lock another thread held at the fork.
 prctl = _libc_prctl()
 
+
+# The pid of the process that last forked, as its child sees it: a ``preexec_fn`` compares it with its
+# parent now, for a parent killed between the fork and the prctl never sends the signal.
+_forker = os.getpid()
+
+
+def _note_forker() -> None:
+    global _forker
+    _forker = os.getpid()
+
+
+os.register_at_fork(before=_note_forker)
 
 _given: set[int] = set()
 
@@ -43,3 +56,5 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     prctl, the parent's own cleanup still stops the child)."""
     if prctl is not None:
         prctl(PR_SET_PDEATHSIG, sig)
+        if os.getppid() != _forker:  # the parent died before the prctl took: nothing will ever signal
+            os._exit(128 + sig)

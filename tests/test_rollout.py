@@ -432,6 +432,43 @@ def test_kill_9_of_the_runner_leaves_no_process_behind(tmp_path, proxy, simulate
         time.sleep(0.2)
 
 
+def test_a_child_whose_parent_dies_before_its_prctl_does_not_outlive_it(tmp_path):
+    """A parent killed between a child's fork and its prctl never sends the death signal; the child sees
+    its parent gone and ends before it execs (the runner killed just as it started a run)."""
+    import signal
+    import time
+
+    parent = subprocess.Popen([sys.executable, "-c", """
+import os, subprocess, threading, time
+from stepmill.children import die_with_parent
+def slow():
+    time.sleep(1.5)  # the parent is killed in this window
+    die_with_parent()
+def children():
+    tasks = f"/proc/{os.getpid()}/task"
+    return " ".join(open(f"{tasks}/{t}/children").read() for t in os.listdir(tasks)).split()
+threading.Thread(target=lambda: subprocess.Popen(["sleep", "60"], preexec_fn=slow), daemon=True).start()
+while not children():
+    time.sleep(0.01)
+print(children()[0], flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline().split()[0])
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(10)
+
+    def alive() -> bool:
+        try:
+            return Path(f"/proc/{child}/stat").read_text().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.time() + 10
+    while alive():
+        assert time.time() < deadline, f"{Path(f'/proc/{child}/cmdline').read_bytes()!r} outlived its killed parent"
+        time.sleep(0.1)
+
+
 def test_a_seeded_rollout_sends_each_run_its_seed_and_a_paired_one_the_same(proxy, marker, tmp_path):
     """[run] seed: every call of a run carries a seed from the run's task and sample (the next call adds its
     turn); two rollouts with the same seed (a training run and its paired control) send the same seeds."""
