@@ -16,9 +16,10 @@ class State:
 
     def __init__(self, tx: Transactions):
         self.tx = tx
-        # The policy history as read so far, for policy_versions_at: rows are only ever appended, each
-        # set no earlier than the one before (see _set_policy_version).
+        # The policy history as read so far, for policy_versions_at: stepmill only appends rows, each set
+        # no earlier than the one before (see _set_policy_version); rows deleted by hand are noticed.
         self._history_rowid = 0
+        self._history_rows = 0  # rows read, their time a number or not
         self._history_times: list[float] = []
         self._history_versions: list[str | None] = []
 
@@ -77,13 +78,22 @@ class State:
 
     def policy_versions_at(self, times: list) -> list[str | None]:
         """``policy_version_at`` of each of ``times`` with one query (the writer asks for every call of a
-        batch): the rows added since the last look are read, the rest is remembered. A time that is no
-        number gets the latest version, as SQL orders a text after every number."""
+        batch): the rows added since the last look are read, the rest is remembered (all of it read again
+        when rows went: a history cleared by hand). A time that is no number gets the latest version; a row
+        whose time is no number (written by hand) is never an answer, as in SQL."""
         with file_errors():
             rows = self.tx.conn.execute("SELECT rowid, set_at, version FROM policy_versions WHERE rowid > ? "
                                         "ORDER BY rowid", [self._history_rowid]).fetchall()
+            total = self.tx.conn.execute("SELECT count(*) FROM policy_versions").fetchone()[0]
+            if total != self._history_rows + len(rows):  # rows deleted: start over
+                self._history_rowid, self._history_rows = 0, 0
+                self._history_times, self._history_versions = [], []
+                rows = self.tx.conn.execute("SELECT rowid, set_at, version FROM policy_versions ORDER BY rowid"
+                                            ).fetchall()
         if rows:
             self._history_rowid = rows[-1][0]
+            self._history_rows += len(rows)
+            rows = [row for row in rows if _is_time(row[1])]
             self._history_times += [set_at for _, set_at, _ in rows]
             self._history_versions += [version for _, _, version in rows]
             if any(a > b for a, b in zip(self._history_times, self._history_times[1:])):  # never so, but exact
@@ -92,10 +102,14 @@ class State:
                 self._history_versions = [v for _, _, v in pairs]
         out = []
         for when in times:
-            if isinstance(when, (int, float)) and not isinstance(when, bool):
+            if _is_time(when):
                 index = bisect.bisect_right(self._history_times, when)
             else:
                 index = len(self._history_times)
             out.append(self._history_versions[index - 1] if index else None)
         return out
 
+
+def _is_time(value) -> bool:
+    """A number SQL orders as one (NaN is stored as NULL)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value

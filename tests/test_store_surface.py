@@ -287,8 +287,12 @@ def test_the_writers_batch_lookup_of_policy_versions_agrees_with_the_one_call_lo
     path = tmp_path / "v.db"
     Store(path).close()
     times = st.floats(min_value=0, max_value=100, allow_nan=False)
-    steps = st.lists(st.tuples(st.one_of(st.none(), st.sampled_from("abc")), times,
-                               st.lists(st.one_of(times, st.just("?")), max_size=5)), max_size=8)
+    # a version set (or none), or a history changed by hand: cleared, a row whose time is NULL or text
+    changes = st.one_of(st.none(), st.sampled_from("abc"), st.sampled_from(["clear", "null", "text"]))
+    steps = st.lists(st.tuples(changes, times, st.lists(st.one_of(times, st.just("?")), max_size=5)), max_size=8)
+    by_hand = {"clear": "DELETE FROM policy_versions",
+               "null": "INSERT INTO policy_versions (set_at, version) VALUES (NULL, 'n')",
+               "text": "INSERT INTO policy_versions (set_at, version) VALUES ('later', 't')"}
 
     @settings(max_examples=60, deadline=None)
     @given(steps)
@@ -297,7 +301,9 @@ def test_the_writers_batch_lookup_of_policy_versions_agrees_with_the_one_call_lo
         try:
             setter.db.conn.execute("DELETE FROM policy_versions")
             for version, since, asked in history:
-                if version is not None:
+                if version in by_hand:
+                    setter.db.conn.execute(by_hand[version])
+                elif version is not None:
                     setter.set_policy_version(version, since=since)
                 expected = [writer.policy_version_at(when) for when in asked]
                 assert writer.policy_versions_at(asked) == expected
