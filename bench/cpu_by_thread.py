@@ -26,8 +26,13 @@ from bench.idle_rss import command_line, tree
 from bench.lean_upstream import start_lean_upstream
 from bench.proxy_bench import CLK, Cell, mitm_options, run_cell, stop_all, wait_port
 from stepmill.children import free_port
+from stepmill.pipeline.handoff import COMMIT_WINDOW
+from stepmill.pipeline.writer import SEARCH_WAIT
 
 HERE = Path(__file__).parent
+# After each cell, until stepmill's writer has committed and indexed every call of it (its window, then
+# the full-text index's wait): all of a cell's CPU falls inside the cell's reading. Bare mitmdump idles.
+SETTLE = COMMIT_WINDOW + SEARCH_WAIT + 0.5
 
 
 def threads(pid: int) -> dict[tuple[int, int], tuple[str, float]]:
@@ -101,7 +106,7 @@ def main() -> None:
                 for name, cell in cells.items():
                     before = threads(pids[name])
                     await run_cell(cell, url, f"http://127.0.0.1:{ports[name]}", context, args.requests, args.time_cap)
-                    await asyncio.sleep(0.5)  # the writer commits what the cell sent
+                    await asyncio.sleep(SETTLE)  # the writer commits and indexes what the cell sent
                     by_thread[name].update(spent(before, threads(pids[name])))
 
         asyncio.run(rounds())

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shlex
 import signal
@@ -44,13 +43,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 
 from bench.lean_upstream import start_lean_upstream
 from stepmill.children import free_port
+from stepmill.client import StepmillClient
 
 HERE = Path(__file__).parent
 CLK = os.sysconf("SC_CLK_TCK")
@@ -230,11 +229,11 @@ async def big_body(url: str, proxy: str, context, pid: int, megabytes: int) -> d
             "rss_3s_later_mib": round(rss_mib(pid), 1)}
 
 
-def health(port: int) -> dict:
-    """stepmill's capture state, from its control API through the proxy."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": f"http://127.0.0.1:{port}"}))
-    with opener.open("http://stepmill.local/v1/health", timeout=10) as response:
-        return json.loads(response.read())["capture"]
+def health(port: int, confdir: Path) -> dict:
+    """stepmill's capture state, from its control API through the proxy (with the token it made in
+    ``confdir``: an anonymous caller learns only whether it is ok)."""
+    client = StepmillClient(proxy=f"http://127.0.0.1:{port}", confdir=str(confdir), timeout=10)
+    return client.health()["capture"]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -333,12 +332,12 @@ def main() -> None:
                                                                         args.slow_streams)))
             if args.big_body:
                 print(f"{name}: big body", asyncio.run(big_body(url, proxy, context, pids[name], args.big_body)))
-        capture = health(ports["stepmill"])
+        capture = health(ports["stepmill"], confdir)
         print(f"stepmill: call end → journal {capture['journal_delay_ms']} ms, "
               f"{capture['journaled']} calls journaled, {capture['dropped']} dropped, "
               f"{capture['uncommitted_bytes']} journal bytes not yet in SQLite when the load stopped")
         stopped = time.time()
-        while health(ports["stepmill"])["uncommitted_bytes"] and time.time() - stopped < 120:
+        while health(ports["stepmill"], confdir)["uncommitted_bytes"] and time.time() - stopped < 120:
             time.sleep(0.05)
         print(f"stepmill: everything committed {time.time() - stopped:.2f} s after the load stopped")
     finally:

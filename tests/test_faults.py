@@ -205,3 +205,44 @@ def test_a_writer_process_that_cannot_open_the_database_says_why_and_starts_once
         writer.close()
         journal.release()
     assert writer.process.returncode == 0
+
+
+def test_a_writer_process_killed_is_started_again_and_commits_what_came_meanwhile(tmp_path, monkeypatch):
+    """kill -9 of the writer process: health says it is not alive; the next call's wake-up (or a barrier)
+    starts another, which commits from where the file says, and health counts the restart."""
+    import signal
+
+    import stepmill.pipeline.writer as writer_module
+    from stepmill.cli.data import _capture_line
+
+    monkeypatch.setattr(writer_module, "RESTART_WAIT", 0.0)  # the test kills it right after its start
+    db = str(tmp_path / "k.db")
+    pipeline = Pipeline(db, writer="process", priority="normal")
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+
+    def submit(text: str) -> None:
+        request = {"model": "m", "messages": [{"role": "user", "content": text}]}
+        pipeline.submit(CallRecord(kind="http", call=Call("openai.chat", "h", "/v1/chat/completions"),
+                                   started=time.time(), ended=time.time(), http_status=200),
+                        [json.dumps(request).encode(), json.dumps(REPLY).encode()])
+
+    try:
+        submit("before")
+        assert asyncio.run(pipeline.flushed(time.monotonic() + 30, executor))
+        first = pipeline.writer.process
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        status = pipeline.status()
+        assert not status["alive"] and status["threads"]["writer"]["alive"] is False, status
+        submit("meanwhile")
+        assert asyncio.run(pipeline.flushed(time.monotonic() + 30, executor))
+        assert pipeline.writer.process is not first and pipeline.writer.process.poll() is None
+        status = pipeline.status()
+        assert status["alive"] and status["threads"]["writer"] == {"alive": True, "error": None, "restarts": 1}, status
+        assert "writer alive (started again 1×)" in _capture_line(status)  # as `stepmill stats --proxy` says it
+    finally:
+        pipeline.close()
+        executor.shutdown()
+    store = Store(db)
+    assert sorted(m["content"] for s in store.iter_steps() for m in s["messages"]) == ["before", "meanwhile"]
+    store.close()

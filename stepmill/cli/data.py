@@ -87,6 +87,7 @@ def _capture_line(capture: dict) -> str:
             continue
         threads = ", ".join(f"{name.replace('_', ' ')} {'alive' if thread['alive'] else 'DEAD'}"
                             + (f" ({thread['error']})" if thread.get("error") else "")
+                            + (f" (started again {thread['restarts']}×)" if thread.get("restarts") else "")
                             for name, thread in worker["threads"].items())
         lines.append(f"capture, worker {worker.get('worker', 0)}: {threads}; dropped {worker.get('dropped', 0)}, "
                      f"journaled without bodies {worker.get('not_cleaned', 0)}")

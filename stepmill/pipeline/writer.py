@@ -44,6 +44,7 @@ CHECKPOINT_IDLE = 5.0  # seconds without calls after which the WAL is checkpoint
 SEARCH_WAIT = 1.0  # seconds from a commit to its steps in the full-text index (store/search.py), while the file takes writes
 RETRY_WAIT = 0.5  # after a locked database or a full disk
 FLUSH = b"f"  # on a writer process's stdin: commit now (a newline only wakes it)
+RESTART_WAIT = 5.0  # seconds from a writer process's start before one that died is started again
 
 
 class Writer:
@@ -324,15 +325,22 @@ class ThreadWriter:
 
 
 class ProcessWriter:
-    """The writer in a process of its own: woken through its stdin, which also tells it the proxy is gone."""
+    """The writer in a process of its own: woken through its stdin, which also tells it the proxy is gone.
+    One that dies (killed, out of memory) is started again at the next wake-up or flush, at most once a
+    RESTART_WAIT: the journal kept its calls, and the new one commits them from where the file says."""
 
     def __init__(self, db_path: str, journal: Journal, priority: str = "idle"):
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "stepmill.pipeline.writer", "--db", db_path, "--journal", str(journal.folder),
-             "--priority", priority],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=None)
+        self.command = [sys.executable, "-m", "stepmill.pipeline.writer", "--db", db_path, "--journal",
+                        str(journal.folder), "--priority", priority]
         self.status_path = journal.status_path
+        self.restarts = 0
+        self._closing = False
         self._lock = threading.Lock()
+        self._start()
+
+    def _start(self) -> None:
+        self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=None)
+        self._started = time.monotonic()
 
     def notify(self) -> None:
         self._tell(b"\n")
@@ -342,24 +350,44 @@ class ProcessWriter:
 
     def _tell(self, what: bytes) -> None:
         with self._lock:
+            if self.process.poll() is not None and not self._closing:
+                self._restart()
             try:
                 self.process.stdin.write(what)
                 self.process.stdin.flush()
             except (BrokenPipeError, ValueError, OSError):
                 pass  # the writer is gone; the journal keeps the calls for the next one
 
+    def _restart(self) -> None:
+        if time.monotonic() - self._started < RESTART_WAIT:
+            return  # one that dies at once (a broken installation) is not started in a loop
+        log.warning(f"stepmill: the writer process exited ({self.process.returncode}); starting another")
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()
+        try:
+            self._start()
+        except OSError as exc:  # no memory or no processes left for now: the next wake-up tries again
+            self._started = time.monotonic()
+            log.warning(f"stepmill: could not start the writer process again ({exc})")
+            return
+        self.restarts += 1
+
     def status(self) -> dict:
-        """Alive while its process runs; its error, why it is behind, as the writer last wrote it."""
+        """Alive while its process runs; its error, why it is behind, as the writer last wrote it; how
+        often it was started again, once it was."""
+        restarts = {"restarts": self.restarts} if self.restarts else {}
         code = self.process.poll()
         if code is not None:
-            return {"alive": False, "error": f"the writer process exited ({code})"}
+            return {"alive": False, "error": f"the writer process exited ({code})", **restarts}
         try:
             error = json.loads(self.status_path.read_text())["error"]
         except (OSError, ValueError, KeyError, TypeError):
             error = None  # nothing written yet: it never failed
-        return {"alive": True, "error": error}
+        return {"alive": True, "error": error, **restarts}
 
     def close(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            self._closing = True
         try:
             self.process.stdin.close()  # end of input: drain and exit
         except OSError:
