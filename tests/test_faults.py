@@ -145,16 +145,21 @@ REPLY = {"id": "c1", "model": "m", "choices": [{"index": 0, "message": {"role": 
                                                 "finish_reason": "stop"}]}
 
 
+def _submit(pipeline: Pipeline, text: str) -> None:
+    """A finished chat call saying ``text``, handed to the pipeline as the loop would."""
+    request = {"model": "m", "messages": [{"role": "user", "content": text}]}
+    pipeline.submit(CallRecord(kind="http", call=Call("openai.chat", "h", "/v1/chat/completions"),
+                               started=time.time(), ended=time.time(), http_status=200),
+                    [json.dumps(request).encode(), json.dumps(REPLY).encode()])
+
+
 def test_an_unreadable_journal_entry_is_an_error_step_counted_and_the_writer_goes_on(tmp_path):
     db = str(tmp_path / "u.db")
     pipeline = Pipeline(db, writer="thread")
     executor = concurrent.futures.ThreadPoolExecutor(1)
 
     def submit(text: str) -> None:
-        request = {"model": "m", "messages": [{"role": "user", "content": text}]}
-        pipeline.submit(CallRecord(kind="http", call=Call("openai.chat", "h", "/v1/chat/completions"),
-                                   started=time.time(), ended=time.time(), http_status=200),
-                        [json.dumps(request).encode(), json.dumps(REPLY).encode()])
+        _submit(pipeline, text)
         assert asyncio.run(pipeline.flushed(time.monotonic() + 30, executor))
 
     try:
@@ -221,10 +226,7 @@ def test_a_writer_process_killed_is_started_again_and_commits_what_came_meanwhil
     executor = concurrent.futures.ThreadPoolExecutor(1)
 
     def submit(text: str) -> None:
-        request = {"model": "m", "messages": [{"role": "user", "content": text}]}
-        pipeline.submit(CallRecord(kind="http", call=Call("openai.chat", "h", "/v1/chat/completions"),
-                                   started=time.time(), ended=time.time(), http_status=200),
-                        [json.dumps(request).encode(), json.dumps(REPLY).encode()])
+        _submit(pipeline, text)
 
     try:
         submit("before")
