@@ -115,7 +115,7 @@ def test_configuration_errors_name_the_key_and_line(tmp_path, mistake, message):
     assert done.returncode != 0 and message.format(line=line) in done.stderr, done.stderr
 
 
-def test_ctrl_c_keeps_what_ran_and_the_next_run_resumes(proxy, marker, tmp_path):
+def test_ctrl_c_keeps_what_ran_and_the_next_run_resumes(proxy, openai_client, marker, tmp_path):
     import signal
     import time
 
@@ -134,13 +134,42 @@ def test_ctrl_c_keeps_what_ran_and_the_next_run_resumes(proxy, marker, tmp_path)
         time.sleep(2)
         process.kill()
         pytest.fail(f"the runner did not end within 60 s of Ctrl-C:\n{process.communicate()[1][-6000:]}")
-    assert process.returncode == 130 and "run the same command again to resume" in stderr
-    assert "did not stop" not in stderr, stderr  # every run stopped when told
-    statuses = {r["status"] for r in store.query("SELECT status FROM trajectories WHERE id LIKE ?", [f"arith-{marker}-%"])}
-    assert statuses == {"open"}
     quick = _config(tmp_path, proxy, marker, agent_command=[sys.executable, "-c", "print('done')"])
-    done = _rollout(quick)
+    try:
+        assert process.returncode == 130 and "run the same command again to resume" in stderr, stderr
+        assert "did not stop" not in stderr, stderr  # every run stopped when told
+        statuses = {r["status"] for r in
+                    store.query("SELECT status FROM trajectories WHERE id LIKE ?", [f"arith-{marker}-%"])}
+        assert statuses == {"open"}
+        # Every run's secret was given back, those never started too: no open door fences the proxy now.
+        openai_client.chat.completions.create(model="gpt-test", messages=[{"role": "user", "content": marker}])
+    finally:  # the runs registered above end here whatever failed: open ones fence the shared proxy
+        done = _rollout(quick)
     assert "6 runs finished (0 failed, 0 timed out), 0 done earlier, of 6" in done.stderr
+
+
+def test_ctrl_c_while_the_runs_threads_start_stops_cleanly():
+    """Ctrl-C between two threads' starts (the CI machine, loaded, once got it there): the rollout still
+    ends as interrupted, not with "cannot join thread before it is started" and status 1."""
+    import threading
+    from types import SimpleNamespace
+
+    from stepmill.runner.rollout import Workers
+
+    release, taken = threading.Event(), []
+    jobs = [SimpleNamespace(trajectory=f"t{i}") for i in range(6)]
+    workers = Workers(lambda job: (taken.append(job.trajectory), release.wait(10)), jobs, 3)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    workers.threads[1].start = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        workers.run()
+    workers.cancel()
+    release.set()
+    workers.wait(5)  # raised RuntimeError before
+    assert not workers.threads[0].is_alive() and taken == ["t0"]
 
 
 def _sim_config(tmp_path, proxy, simulated_llm, marker, *, agents, extra_route="", proxy_section=True, n=4,

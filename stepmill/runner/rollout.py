@@ -78,7 +78,10 @@ class Workers:
 
         deadline = time.monotonic() + grace
         for thread in self.threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            try:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            except RuntimeError:  # Ctrl-C came while ``run`` started the threads: this one never began,
+                continue          # and when it does it finds the cancel set and takes no job
         frames = sys._current_frames()
         for thread in self.threads:
             if thread.is_alive():
@@ -133,7 +136,13 @@ def rollout_through(config: Config, proxy: ProxyHandle, *, progress: bool = True
         slots.put(slot)
     site = RunSite(config, proxy, mode, new_runs_root(), ensure_bundle(proxy.confdir), slots,
                    white_box_tokenizer(config))
-    secrets = {job.trajectory: register(config, proxy.client, store, job) for job in jobs}
+    secrets: dict = {}
+    try:
+        for job in jobs:
+            secrets[job.trajectory] = register(config, proxy.client, store, job)
+    except KeyboardInterrupt:
+        give_back(proxy.client, secrets)
+        raise
     lock = threading.Lock()
 
     def one(job):
@@ -158,6 +167,7 @@ def rollout_through(config: Config, proxy: ProxyHandle, *, progress: bool = True
         workers.cancel()
         site.stop_all()  # runs not started yet never start; running ones are stopped, their trajectories stay open
         workers.wait(STOP_GRACE)
+        give_back(proxy.client, secrets)
         raise
     finally:
         finished.set()
@@ -168,6 +178,21 @@ def rollout_through(config: Config, proxy: ProxyHandle, *, progress: bool = True
             report.unscored = _score(config, proxy.db, run.dataset)
         store.close()  # a training loop rolls out round after round through one proxy
     return report
+
+
+def give_back(client, secrets: dict) -> None:
+    """After Ctrl-C, the secrets of the runs that never ran (and of any that would not stop) stop working
+    too: their open doors would otherwise fence the proxy until the rollout resumes (which registers
+    them afresh). One try each; a proxy that is gone has nothing to fence."""
+    from stepmill.client import ControlError
+
+    for trajectory in secrets:
+        try:
+            client.revoke_run(trajectory)  # a run that ended revoked its own: this one is a no-op
+        except ControlError:
+            continue
+        except OSError:
+            return
 
 
 def _score(config: Config, db: str, dataset: str) -> str:
