@@ -172,6 +172,63 @@ def test_ctrl_c_while_the_runs_threads_start_stops_cleanly():
     assert not workers.threads[0].is_alive() and taken == ["t0"]
 
 
+def test_ctrl_c_in_the_middle_of_a_registration_gives_that_secret_back_too(proxy, openai_client, marker, tmp_path,
+                                                                           monkeypatch):
+    """The proxy registered the run but Ctrl-C came before its answer did: that run's secret is revoked
+    with the others, or its open door would fence the proxy for every later caller."""
+    from stepmill.runner import rollout as rollout_module
+    from stepmill.runner.config import load
+
+    real, registered = rollout_module.register, []
+
+    def cut_short(*args):
+        registered.append(real(*args))
+        if len(registered) == 3:
+            raise KeyboardInterrupt  # registered, the answer never kept
+        return registered[-1]
+
+    monkeypatch.setattr(rollout_module, "register", cut_short)
+    config = _config(tmp_path, proxy, marker, agent_command=[sys.executable, "-c", "print('done')"])
+    with pytest.raises(KeyboardInterrupt):
+        rollout_module.rollout(load(str(config)), progress=False)
+    assert len(registered) == 3
+    openai_client.chat.completions.create(model="gpt-test", messages=[{"role": "user", "content": marker}])
+    assert "6 runs finished (0 failed, 0 timed out), 0 done earlier, of 6" in _rollout(config).stderr
+
+
+def test_a_signal_another_thread_takes_still_stops_the_rollout():
+    """The kernel may hand a process's Ctrl-C to any thread that does not block it; Python runs the
+    handler only in the main thread, once it runs Python again. Waiting on the runs' threads never
+    blocks for good, so the interrupt lands within a fraction of a second, not when the runs end."""
+    import signal
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from stepmill.runner.rollout import Workers
+
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Interrupted
+
+    release = threading.Event()
+    workers = Workers(lambda job: release.wait(20), [SimpleNamespace(trajectory="t")], 1)
+    taker = threading.Thread(target=lambda: (time.sleep(0.3), signal.pthread_kill(threading.get_ident(), signal.SIGUSR2)))
+    previous = signal.signal(signal.SIGUSR2, handler)
+    try:
+        started = time.monotonic()
+        taker.start()
+        with pytest.raises(Interrupted):
+            workers.run()
+        assert time.monotonic() - started < 5  # 20 s (the run's own end) before
+    finally:
+        release.set()
+        taker.join()
+        signal.signal(signal.SIGUSR2, previous)
+
+
 def _sim_config(tmp_path, proxy, simulated_llm, marker, *, agents, extra_route="", proxy_section=True, n=4,
                 tasks=3, prefix="sim", model="qwen-sim", timeout=120):
     """Both shipped agents on the bundled tasks against an engine (``simulated_llm``: anything with a

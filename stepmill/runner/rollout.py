@@ -27,6 +27,7 @@ from stepmill.runner.progress import Report, print_progress
 from stepmill.runner.proxy_env import ensure_bundle
 from stepmill.runner.proxy_handle import ProxyHandle
 
+JOIN_POLL = 0.25  # seconds the main thread waits at a time for a run's thread, so a signal reaches it
 STOP_GRACE = 30.0  # seconds an interrupted rollout waits for its runs to stop before it names those that did not
 
 
@@ -65,7 +66,10 @@ class Workers:
         for thread in self.threads:
             thread.start()
         for thread in self.threads:
-            thread.join()
+            while thread.is_alive():
+                # Never a join without end: a Ctrl-C the kernel gave another thread runs its handler only
+                # once this thread runs Python again (it would wait for the runs to end on their own).
+                thread.join(JOIN_POLL)
         if self.errors:
             raise self.errors[0]
 
@@ -139,6 +143,7 @@ def rollout_through(config: Config, proxy: ProxyHandle, *, progress: bool = True
     secrets: dict = {}
     try:
         for job in jobs:
+            secrets[job.trajectory] = None  # given back too if Ctrl-C cuts its registration short
             secrets[job.trajectory] = register(config, proxy.client, store, job)
     except KeyboardInterrupt:
         give_back(proxy.client, secrets)
@@ -189,8 +194,9 @@ def give_back(client, secrets: dict) -> None:
     for trajectory in secrets:
         try:
             client.revoke_run(trajectory)  # a run that ended revoked its own: this one is a no-op
-        except ControlError:
-            continue
+        except ControlError as exc:
+            if exc.status != 404:  # 404: never registered (Ctrl-C came during its registration)
+                print(f"stepmill: {trajectory}: its secret could not be revoked: {exc.message}", file=sys.stderr)
         except OSError:
             return
 
