@@ -112,13 +112,13 @@ QUESTION = {"role": "user", "content": "What is 6 * 7?"}
 
 
 def assembled(chunks: list[dict]) -> dict:
-    """The message a client builds from a chat stream (vLLM cuts the same tokens into chunks differently
-    from run to run: when the API server falls behind, it sends several tokens in one chunk)."""
+    """The message a client builds from a chat (or completions) stream: vLLM cuts the same tokens into
+    chunks differently from run to run (when the API server falls behind, it sends several in one)."""
     content, calls, finish = "", {}, None
     for chunk in chunks:
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
-            content += delta.get("content") or ""
+            content += (delta.get("content") or "") + (choice.get("text") or "")
             for call in delta.get("tool_calls") or []:
                 into = calls.setdefault(call["index"], {"name": "", "arguments": ""})
                 into["name"] += (call.get("function") or {}).get("name") or ""
@@ -264,6 +264,7 @@ def test_completions_token_in_token_out(engine_proxy, vllm, marker, mode, stream
     if streamed:
         got = stream(client, f"{base}/completions", {**body, "stream": True})
         expected = stream(plain, f"{vllm.url}/completions", {**body, "stream": True})
+        assert assembled(got) == assembled(expected)
         for chunk in got:
             assert chunk.get("prompt_token_ids") is None
             assert all(c.get("token_ids") is None and c.get("prompt_token_ids") is None and c.get("logprobs") is None
@@ -273,7 +274,7 @@ def test_completions_token_in_token_out(engine_proxy, vllm, marker, mode, stream
         expected = post(plain, f"{vllm.url}/completions", body)
         choice = got["choices"][0]
         assert choice.get("token_ids") is None and choice.get("prompt_token_ids") is None and choice["logprobs"] is None
-    assert stable(got) == stable(expected)
+        assert stable(got) == stable(expected)
     reference = post(plain, f"{vllm.url}/completions", {**body, "return_token_ids": True, "logprobs": 1})
     [step] = engine_proxy.steps("s.trajectory_id = ?", [tag])
     assert step["api"] == "openai.completions" and step["token_provenance"] == "exact", step
