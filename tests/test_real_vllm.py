@@ -264,7 +264,7 @@ def test_completions_token_in_token_out(engine_proxy, vllm, marker, mode, stream
     if streamed:
         got = stream(client, f"{base}/completions", {**body, "stream": True})
         expected = stream(plain, f"{vllm.url}/completions", {**body, "stream": True})
-        assert assembled(got) == assembled(expected)
+        assert assembled(got) == assembled(expected) and paths(got) == paths(expected)
         for chunk in got:
             assert chunk.get("prompt_token_ids") is None
             assert all(c.get("token_ids") is None and c.get("prompt_token_ids") is None and c.get("logprobs") is None

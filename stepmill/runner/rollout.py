@@ -84,8 +84,8 @@ class Workers:
         for thread in self.threads:
             try:
                 thread.join(max(0.0, deadline - time.monotonic()))
-            except RuntimeError:  # Ctrl-C came while ``run`` started the threads: this one never began,
-                continue          # and when it does it finds the cancel set and takes no job
+            except RuntimeError:  # Ctrl-C came before ``run`` started this thread (or cut its start short:
+                continue          # then it begins later, finds the cancel set and takes no job)
         frames = sys._current_frames()
         for thread in self.threads:
             if thread.is_alive():
@@ -140,18 +140,15 @@ def rollout_through(config: Config, proxy: ProxyHandle, *, progress: bool = True
         slots.put(slot)
     site = RunSite(config, proxy, mode, new_runs_root(), ensure_bundle(proxy.confdir), slots,
                    white_box_tokenizer(config))
-    secrets: dict = {}
-    try:
-        for job in jobs:
-            secrets[job.trajectory] = None  # given back too if Ctrl-C cuts its registration short
-            secrets[job.trajectory] = register(config, proxy.client, store, job)
-    except KeyboardInterrupt:
-        give_back(proxy.client, secrets)
-        raise
+    admissions: dict = {}  # trajectory -> its Admission (None while its registration is under way)
+    ended: set = set()  # runs that revoked their own secret as they ended (run_one does, whatever happened)
     lock = threading.Lock()
 
     def one(job):
-        outcome = run_one(site, job, secrets[job.trajectory])
+        try:
+            outcome = run_one(site, job, admissions[job.trajectory])
+        finally:
+            ended.add(job.trajectory)
         if outcome is not None:
             with lock:
                 report.count(outcome)
@@ -162,43 +159,68 @@ def rollout_through(config: Config, proxy: ProxyHandle, *, progress: bool = True
             print_progress(report, lambda: store.rollout_totals(f"{run.dataset}-"))
 
     finished = threading.Event()
-    if progress:
-        threading.Thread(target=show, daemon=True).start()
-    workers = Workers(one, jobs, run.concurrency)
+    workers = None
     try:
+        for job in jobs:
+            admissions[job.trajectory] = None  # revoked too should its registration be cut short
+            admissions[job.trajectory] = register(config, proxy.client, store, job)
+        workers = Workers(one, jobs, run.concurrency)
+        if progress:
+            threading.Thread(target=show, daemon=True).start()
         workers.run()
-    except KeyboardInterrupt:
-        report.interrupted = True
-        workers.cancel()
-        site.stop_all()  # runs not started yet never start; running ones are stopped, their trajectories stay open
-        workers.wait(STOP_GRACE)
-        give_back(proxy.client, secrets)
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            report.interrupted = True
+        try:
+            if workers is not None:
+                workers.cancel()
+            site.stop_all()  # runs not started yet never start; running ones are stopped, their trajectories stay open
+            if workers is not None and report.interrupted:
+                workers.wait(STOP_GRACE)
+        finally:  # also when a second Ctrl-C cuts the wait short
+            revoke_all(proxy.client, [t for t in admissions if t not in ended])
         raise
     finally:
         finished.set()
         if progress:
             report.running = site.running
             print_progress(report, lambda: store.rollout_totals(f"{run.dataset}-"), end="\n")
-        if not report.interrupted and config.rewards:
+        if not report.interrupted and workers is not None and config.rewards:
             report.unscored = _score(config, proxy.db, run.dataset)
         store.close()  # a training loop rolls out round after round through one proxy
     return report
 
 
-def give_back(client, secrets: dict) -> None:
-    """After Ctrl-C, the secrets of the runs that never ran (and of any that would not stop) stop working
-    too: their open doors would otherwise fence the proxy until the rollout resumes (which registers
-    them afresh). One try each; a proxy that is gone has nothing to fence."""
+REVOKE_TIMEOUT = 5.0  # seconds one revocation may take on the way out (the proxy may be stopping too)
+
+
+def revoke_all(client, trajectories: list[str]) -> None:
+    """On the way out of a rollout cut short (Ctrl-C, an error): the secrets of the runs that never ran,
+    or never ended, stop working. Their open doors would otherwise fence a proxy that outlives the
+    runner (every call from no door refused) until the rollout resumes, which registers them afresh.
+    Best effort, one try each, briefly: it must not turn an interrupt into another error."""
+    import copy
+
     from stepmill.client import ControlError
 
-    for trajectory in secrets:
+    quick = copy.copy(client)
+    quick.timeout = min(client.timeout, REVOKE_TIMEOUT)
+    failed, why = 0, ""
+    for index, trajectory in enumerate(trajectories):
         try:
-            client.revoke_run(trajectory)  # a run that ended revoked its own: this one is a no-op
+            quick.revoke_run(trajectory)
         except ControlError as exc:
-            if exc.status != 404:  # 404: never registered (Ctrl-C came during its registration)
-                print(f"stepmill: {trajectory}: its secret could not be revoked: {exc.message}", file=sys.stderr)
-        except OSError:
-            return
+            # 404: never registered (its registration was cut short); 503: revoked, not yet recorded
+            if exc.status not in (404, 503):
+                failed, why = failed + 1, why or exc.message
+        except OSError as exc:  # the proxy is gone (nothing left to fence) or stuck: stop trying
+            failed, why = failed + len(trajectories) - index, str(exc)
+            break
+        except Exception as exc:  # an answer cut short
+            failed, why = failed + 1, why or f"{type(exc).__name__}: {exc}"
+    if failed:
+        print(f"stepmill: the secrets of {failed} run(s) could not be revoked ({why}); the same command "
+              f"registers them again", file=sys.stderr)
 
 
 def _score(config: Config, db: str, dataset: str) -> str:
