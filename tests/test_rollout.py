@@ -207,6 +207,35 @@ def test_ctrl_c_in_the_middle_of_a_registration_gives_that_secret_back_too(proxy
     assert "6 runs finished (0 failed, 0 timed out), 0 done earlier, of 6" in done.stderr
 
 
+def test_a_run_taken_just_before_ctrl_c_has_its_secret_revoked(proxy, marker, tmp_path, monkeypatch):
+    """A run thread that took its job just before Ctrl-C finds the site stopped and never starts the run
+    (nor revokes its secret itself): the rollout's way out revokes it."""
+    import signal
+    import threading
+
+    from stepmill.runner import rollout as rollout_module
+    from stepmill.runner.config import load
+
+    real, fired = rollout_module.run_one, threading.Event()
+
+    def taken_late(site, job, admission):
+        if not fired.is_set():
+            fired.set()
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # Ctrl-C, as the terminal sends it
+        site.stop.wait(10)
+        return real(site, job, admission)  # stopped: returns at once
+
+    monkeypatch.setattr(rollout_module, "run_one", taken_late)
+    config = _config(tmp_path, proxy, marker, agent_command=[sys.executable, "-c", "print('done')"])
+    with pytest.raises(KeyboardInterrupt):
+        rollout_module.rollout(load(str(config)), progress=False)
+    try:
+        assert _unrevoked(proxy.store(), marker) == []
+    finally:  # the runs end here whatever failed: open ones fence the shared proxy
+        done = _rollout(config)
+    assert "6 runs finished (0 failed, 0 timed out), 0 done earlier, of 6" in done.stderr
+
+
 def test_a_signal_another_thread_takes_still_stops_the_rollout():
     """The kernel may hand a process's Ctrl-C to any thread that does not block it; Python runs the
     handler only in the main thread, once it runs Python again. Waiting on the runs' threads never

@@ -141,15 +141,13 @@ def rollout_through(config: Config, proxy: ProxyHandle, *, progress: bool = True
     site = RunSite(config, proxy, mode, new_runs_root(), ensure_bundle(proxy.confdir), slots,
                    white_box_tokenizer(config))
     admissions: dict = {}  # trajectory -> its Admission (None while its registration is under way)
-    ended: set = set()  # runs that revoked their own secret as they ended (run_one does, whatever happened)
+    ended: set = set()  # runs that revoked their own secret as they ended (one stopped before it started did not)
     lock = threading.Lock()
 
     def one(job):
-        try:
-            outcome = run_one(site, job, admissions[job.trajectory])
-        finally:
-            ended.add(job.trajectory)
+        outcome = run_one(site, job, admissions[job.trajectory])
         if outcome is not None:
+            ended.add(job.trajectory)
             with lock:
                 report.count(outcome)
 
