@@ -9,10 +9,11 @@ import json
 import threading
 import time
 
+import stepmill.pipeline.handoff as handoff_module
 import stepmill.pipeline.writer as writer_module
 from stepmill.pipeline.call_record import Call, CallRecord
 from stepmill.pipeline.handoff import Handoff
-from stepmill.pipeline.journal import Journal
+from stepmill.pipeline.journal import Journal, Position, decode_entry
 from stepmill.pipeline.service import Pipeline
 from stepmill.pipeline.writer import Writer
 from stepmill.store import Store
@@ -40,14 +41,18 @@ def _committed(db: str) -> list[str]:
 
 def test_a_flush_commits_without_waiting_out_the_window(tmp_path, monkeypatch):
     monkeypatch.setattr(writer_module, "COMMIT_WINDOW", 60.0)  # a window no barrier could wait out
+    monkeypatch.setattr(handoff_module, "GATHER", 60.0)  # nor the handoff's gathering
     db = str(tmp_path / "f.db")
     pipeline = Pipeline(db, writer="thread")
     executor = concurrent.futures.ThreadPoolExecutor(1)
     try:
         pipeline.submit(*_call("flushed"))
+        wait_until(lambda: pipeline.handed_off() == 1, what="the first call, alone, journaled at once")
+        pipeline.submit(*_call("gathered"))  # the handoff would gather this one for a minute
         started = time.monotonic()
         assert asyncio.run(pipeline.flushed(started + 20, executor))
-        assert _committed(db) == ["flushed"]
+        assert time.monotonic() - started < 20
+        assert _committed(db) == ["flushed", "gathered"]
     finally:
         pipeline.close()
         executor.shutdown()
@@ -85,4 +90,47 @@ def test_calls_announced_while_the_writer_gathers_are_committed_without_another_
         handoff.close()
         writer.stop()
         thread.join(10)
+        journal.release()
+
+
+class CountingJournal(Journal):
+    """A real journal that counts its appends (one per handoff pass)."""
+
+    appends = 0
+
+    def append(self, entry):
+        type(self).appends += 1
+        return super().append(entry)
+
+
+def test_calls_that_end_close_together_are_journaled_in_one_pass(tmp_path, monkeypatch):
+    """A call that ends alone is journaled at once; calls ending within GATHER of the last pass wait for
+    one pass together (its cost is per pass more than per call); a flush's hurry ends the wait."""
+    monkeypatch.setattr(handoff_module, "GATHER", 5.0)
+    db = str(tmp_path / "h.db")
+    Store(db).close()
+    journal = CountingJournal.create(db)
+    monkeypatch.setattr(CountingJournal, "appends", 0)
+    handoff = Handoff(journal, lambda: None)
+    try:
+        started = time.monotonic()
+        handoff.submit(*_call("alone"))
+        wait_until(lambda: handoff.appended == 1, timeout=4, what="a lone call, journaled at once")
+        assert time.monotonic() - started < 4 and CountingJournal.appends == 1
+        for text in ("a", "b", "c"):
+            handoff.submit(*_call(text))
+        time.sleep(0.5)
+        assert handoff.appended == 1 and handoff.status()["in_memory"] == 3  # gathered, not yet journaled
+        wait_until(lambda: handoff.appended == 4, timeout=10, what="the gathered calls")
+        assert CountingJournal.appends == 2  # the three in one append
+        handoff.submit(*_call("flushed"))
+        hurried = time.monotonic()
+        handoff.hurry()
+        wait_until(lambda: handoff.appended == 5, timeout=4, what="a hurried call")
+        assert time.monotonic() - hurried < 4
+        texts = sorted(json.loads(decode_entry(payload)[1][0])["messages"][0]["content"]
+                       for _, payload in journal.read(Position(1, 0)))
+        assert texts == ["a", "alone", "b", "c", "flushed"]
+    finally:
+        handoff.close()
         journal.release()

@@ -80,6 +80,27 @@ def writer_of(process: subprocess.Popen) -> int:
     return wait_until(find, timeout=30, what="the writer process")
 
 
+def test_option_reads_under_the_lean_master_copy_what_can_change_and_nothing_else():
+    """The master's option reads skip deepcopy only where it gives the value itself (immutable values):
+    a list read is still a copy, so changing it changes no option."""
+    from mitmproxy import http, options
+
+    from stepmill import proxy_master
+
+    proxy_master._lean_mitmproxy()
+    opts = options.Options()
+    read = opts.ignore_hosts
+    read.append("example.com")
+    assert opts.ignore_hosts == []
+    opts.update(ignore_hosts=["a"], listen_port=8123, mode=["regular"])
+    read = opts.ignore_hosts
+    read.append("b")
+    assert opts.ignore_hosts == ["a"] and opts.listen_port == 8123 and opts.mode == ["regular"]
+    assert opts.listen_host == "" and opts.ssl_insecure is False
+    request = http.Request.make("POST", "http://h/v1/chat/completions", b"{}")  # built without the debug check
+    assert request.host == "h" and request.content == b"{}"
+
+
 def test_mitmdump_flags_and_add_log_hooks_pass_through(tmp_path):
     """`--listen-port` (mitmdump's spelling) is the port listened on, and a user's script with the
     deprecated add_log hook still gets log entries, with an update hook the flows' updates (stepmill only

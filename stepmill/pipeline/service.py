@@ -75,6 +75,7 @@ class Pipeline:
         writer committed the journal up to where it then ended; False if ``time.monotonic()`` passed
         ``deadline`` first. The store is read in ``executor`` (the thread that owns ``store``'s use)."""
         target = self.submitted
+        self.handoff.hurry()
         while self.handed_off() < target and time.monotonic() < deadline:
             await asyncio.sleep(POLL)
         end = self.journal.end()
