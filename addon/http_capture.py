@@ -13,10 +13,12 @@ tags are taken out of a request only once its path is known to be an LLM call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
 from mitmproxy import ctx, http
+from mitmproxy.net.http import url
 
 from stepmill import tags as tagging
 from stepmill.addon.engine import MARKERS
@@ -32,11 +34,29 @@ from stepmill.protocols.base import json_bytes
 log = logging.getLogger("stepmill")
 
 
+@functools.lru_cache(maxsize=1024)
+def _authority_host(authority: str) -> str:
+    """The host of a Host header (or :authority), as mitmproxy's ``pretty_host`` has it: parsed once per
+    value an agent sends, not once per call."""
+    return url.parse_authority(authority, check=False)[0]
+
+
+def _pretty_host(request: http.Request) -> str:
+    authority = request.host_header
+    return _authority_host(authority) if authority else request.host
+
+
 class HttpCapture:
     def __init__(self, state: LoopState):
         self.state = state
         self.engine = EngineIds()
+        self.hosts: frozenset[str] = frozenset()  # stepmill_hosts, parsed when it changes: only these are recorded
         registry.load()  # the protocols, entry points included, before any call: requests only read them
+
+    def configure(self, updated):
+        if "stepmill_hosts" in updated:
+            self.hosts = frozenset(h.strip() for value in ctx.options.stepmill_hosts for h in value.split(",")
+                                   if h.strip())
 
     # -- connections: tags carried by a proxy credential -------------------------------------
     def http_connect(self, flow: http.HTTPFlow):
@@ -74,9 +94,8 @@ class HttpCapture:
         protocol = match(api_path)
         if protocol is None:
             return None  # not an LLM call: untouched
-        host = request.pretty_host
-        hosts = {h.strip() for value in ctx.options.stepmill_hosts for h in value.split(",") if h.strip()}
-        if hosts and host not in hosts:
+        host = _pretty_host(request)
+        if self.hosts and host not in self.hosts:
             return None
         index = tagging.header_index(request.headers)
         websocket = request.method == "GET" and index.get("upgrade", "").lower() == "websocket"

@@ -1,6 +1,9 @@
 """Explicit trajectory and group tags: reverse-mode paths, headers, proxy credentials."""
 
+import hypothesis
 import openai
+import pytest
+from hypothesis import strategies as st
 
 
 def test_reverse_mode_path_tags(proxy, marker):
@@ -109,3 +112,29 @@ def test_capture_limited_to_configured_hosts(tmp_path, upstream, marker):
         assert "mitmproxy CA: " + str(own.confdir / "mitmproxy-ca-cert.pem") in own.log.read_text()
     finally:
         stop_proxy(own)
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(st.one_of(
+    st.sampled_from(["api.openai.com", "API.OpenAI.com:443", "127.0.0.1:8000", "[::1]:8080", "[2001:db8::1]",
+                     "xn--bcher-kva.example", "bücher.example:81", "", "host:notaport", ":80"]),
+    st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=30)))
+def test_the_host_a_call_is_recorded_under_is_mitmproxys_pretty_host(authority):
+    """The addon parses each Host header once (cached): the host it records and filters on
+    (stepmill_hosts) is the one mitmproxy's ``pretty_host`` gives, whatever an agent sends."""
+    from mitmproxy import http
+
+    from stepmill.addon.http_capture import _pretty_host
+
+    request = http.Request.make("POST", "http://upstream.example:8080/v1/chat/completions", b"{}")
+    request.headers.pop("Host", None)
+    if authority:
+        request.headers["Host"] = authority
+    try:
+        expected = request.pretty_host
+    except Exception as exc:  # mitmproxy refuses it: so does the cached parse, alike
+        with pytest.raises(type(exc)):
+            _pretty_host(request)
+        return
+    assert _pretty_host(request) == expected
+    assert _pretty_host(request) == expected  # and again, from the cache
