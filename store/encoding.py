@@ -18,6 +18,8 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 def clean_text(text: str) -> str:
     """Lone surrogates (undecodable header bytes, broken JSON escapes) become U+FFFD."""
+    if text.isascii():  # most text, known from the string's header without a scan: no surrogate in it
+        return text
     return _SURROGATE.sub("\ufffd", text) if _SURROGATE.search(text) else text
 
 
@@ -39,8 +41,7 @@ def clean(value: Any) -> Any:
 def dumps(value: Any) -> str | None:
     if value is None:
         return None
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
-    return clean_text(text) if _SURROGATE.search(text) else text
+    return clean_text(json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str))
 
 
 def loads(text: str | bytes | None) -> Any:
