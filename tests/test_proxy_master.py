@@ -80,14 +80,18 @@ def writer_of(process: subprocess.Popen) -> int:
     return wait_until(find, timeout=30, what="the writer process")
 
 
-def test_option_reads_under_the_lean_master_copy_what_can_change_and_nothing_else():
+def test_option_reads_under_the_lean_master_copy_what_can_change_and_nothing_else(monkeypatch):
     """The master's option reads skip deepcopy only where it gives the value itself (immutable values):
     a list read is still a copy, so changing it changes no option."""
-    from mitmproxy import http, options
+    from mitmproxy import http, optmanager, options
 
     from stepmill import proxy_master
 
+    # the patches last only for this test (the proxy process applies them for its life)
+    monkeypatch.setattr(optmanager._Option, "current", optmanager._Option.current)
+    monkeypatch.setattr(http.MessageData, "__post_init__", http.MessageData.__post_init__)
     proxy_master._lean_mitmproxy()
+    assert optmanager._Option.current is proxy_master._current
     opts = options.Options()
     read = opts.ignore_hosts
     read.append("example.com")
