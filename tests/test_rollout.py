@@ -227,8 +227,13 @@ def test_a_run_taken_just_before_ctrl_c_has_its_secret_revoked(proxy, marker, tm
 
     monkeypatch.setattr(rollout_module, "run_one", taken_late)
     config = _config(tmp_path, proxy, marker, agent_command=[sys.executable, "-c", "print('done')"])
-    with pytest.raises(KeyboardInterrupt):
-        rollout_module.rollout(load(str(config)), progress=False)
+    # Ctrl-C is KeyboardInterrupt even where the suite was started with SIGINT ignored (a background job)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rollout_module.rollout(load(str(config)), progress=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         assert _unrevoked(proxy.store(), marker) == []
     finally:  # the runs end here whatever failed: open ones fence the shared proxy
