@@ -1,37 +1,41 @@
-"""On the event loop: what a call may reach, by where it comes from.
+"""On the event loop: what a call may reach, by who sent it and where its connection really goes.
 
 - Every caller: an engine's admin routes (``stepmill.auth.admin_routes``: weights, caches, RPC into
   its workers) are refused through the proxy unless the request carries the write token in
   ``X-Stepmill-Token`` (the trainer calls its engine directly anyway).
-- A sandboxed run's door (a connection from the loopback address registered with the run, see
-  ``stepmill.runner.door``): once its run has ended, nothing; while it runs, LLM calls (which
-  ``HttpCapture`` records as that run's, whatever they name) and requests to the hosts registered
-  with it (the configured LLM's, ``[isolation] allow_hosts``). Nothing else: no other host, no raw
-  TCP or UDP after a CONNECT.
+- A sandboxed run's door (see ``stepmill.runner.door``): the runner's side of it adds the run's door
+  key (``DOOR_HEADER``) to the first request of each connection; that binds the client connection to
+  the run, and every later request on it is the run's. A key no run holds is refused, the same
+  whatever address it came from; an address alone is never anyone's.
+- A bound connection reaches only the hosts registered with its run (its route's LLM and engines,
+  ``[isolation] allow_hosts``: host and port), whatever the path or method, judged by where the
+  connection goes (``request.host``/``port``, the CONNECT target; never the ``Host`` header) before
+  any byte moves; ``server_connect`` checks again whatever addon rewrote the request since. A
+  refused CONNECT is answered the same whether or not anything listens there. Once its run has
+  ended, nothing; never raw TCP or UDP after a CONNECT.
 
-It comes before the control endpoint and the capture, so what it refuses never reaches them.
+It comes before the control endpoint and the capture, so what it refuses never reaches them (no
+step, no engine probe).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 
 from mitmproxy import ctx, http, tcp, udp
+from mitmproxy.proxy import mode_specs, server_hooks
 
 from stepmill import tags as tagging
 from stepmill.addon.loop_state import LoopState, hook_failed
 from stepmill.auth.admin_routes import is_admin_route
+from stepmill.auth.runs import DOOR_HEADER, RegisteredRun, destination
 from stepmill.auth.write_token import ensure_token
-from stepmill.protocols import match
 from stepmill.protocols.base import json_bytes
 
 log = logging.getLogger("stepmill")
 TOKEN_HEADER = "X-Stepmill-Token"
-
-
-def client_address(flow) -> str | None:
-    peer = flow.client_conn.peername
-    return peer[0] if peer else None
+UNKNOWN_DOOR = "no run's door holds the key this connection carried"
 
 
 class Doors:
@@ -44,6 +48,38 @@ class Doors:
             self._token = ensure_token(ctx.options.confdir)
         return self._token
 
+    # -- which run a connection is: its first request's door key, then one dictionary read --------------
+    def _run_of(self, flow: http.HTTPFlow) -> RegisteredRun | None | bool:
+        """The run the flow's connection is bound to, None for a caller that is no run's, or False for a
+        door key no run holds. The key is taken out of the request wherever it is."""
+        connection = flow.client_conn.id
+        key = flow.request.headers.pop(DOOR_HEADER, None)  # never sent on
+        run = self.state.runs.at_door(connection)
+        if run is not None or key is None:
+            return run  # a key on a bound connection binds nothing more
+        return self.state.runs.bind(connection, key) or False
+
+    def client_disconnected(self, client):
+        self.state.runs.unbind(client.id)
+
+    # -- plain requests and WebSocket upgrades: judged on their head, before the body is read ---------
+    def requestheaders(self, flow: http.HTTPFlow):
+        try:
+            if flow.response is not None:
+                return
+            run = self._run_of(flow)
+            if run is False:
+                return self._refuse(flow, UNKNOWN_DOOR)
+            if run is None:
+                return
+            flow.metadata["stepmill_door"] = run.trajectory_id
+            if run.revoked:
+                return self._refuse(flow, f"run {run.trajectory_id!r} has ended: its credentials were revoked")
+            if not self._is_control(flow) and not self._reaches(run, flow.request.host, flow.request.port):
+                self._refuse(flow, self._elsewhere(run, flow.request))
+        except Exception:
+            hook_failed("requestheaders")
+
     def request(self, flow: http.HTTPFlow):
         try:
             if flow.response is not None:
@@ -54,39 +90,41 @@ class Doors:
             token = request.headers.get(TOKEN_HEADER)
             if token is not None:
                 del request.headers[TOKEN_HEADER]  # never sent on
-            run = self.state.runs.at_door(client_address(flow))
-            if run is not None:
-                flow.metadata["stepmill_door"] = run.trajectory_id
             vouched = bool(token) and _same(token, self._write_token())
             flow.metadata["stepmill_vouched"] = vouched  # while sandboxed runs are open, a call from no door needs it
             if is_admin_route(path) and not vouched:
                 return self._refuse(flow, "an engine's admin routes are not reachable through stepmill's proxy")
-            if run is None or self._is_control(flow):
-                return
-            if run.revoked:
-                return self._refuse(flow, f"run {run.trajectory_id!r} has ended: its credentials were revoked")
-            host = f"{request.pretty_host}:{request.port}"
-            if host in run.hosts or request.pretty_host in run.hosts:
-                return
-            websocket = request.method == "GET" and request.headers.get("upgrade", "").lower() == "websocket"
-            if match(path) is not None and (request.method == "POST" or websocket):
-                return  # an LLM call: HttpCapture records it as the run's
-            return self._refuse(flow, f"run {run.trajectory_id!r} reaches only its LLM through the proxy, not "
-                                      f"{request.method} {host}{path.split('?', 1)[0]} ([isolation] allow_hosts)")
+            run = self.state.runs.at_door(flow.client_conn.id)
+            if run is not None and not self._is_control(flow) and not self._reaches(run, request.host, request.port):
+                self._refuse(flow, self._elsewhere(run, request))  # an addon before this one sent it elsewhere
         except Exception:
             hook_failed("request")
 
-    @staticmethod
-    def _is_control(flow: http.HTTPFlow) -> bool:
-        return flow.request.scheme == "http" and flow.request.host == ctx.options.stepmill_control_host
+    # -- CONNECT: the same check, before anything is connected ----------------------------------------
+    def http_connect(self, flow: http.HTTPFlow):
+        try:
+            run = self._run_of(flow)
+            if run is False:
+                return self._refuse(flow, UNKNOWN_DOOR)
+            if run is None:
+                return
+            if run.revoked:
+                return self._refuse(flow, f"run {run.trajectory_id!r} has ended: its credentials were revoked")
+            if not self._reaches(run, flow.request.host, flow.request.port):
+                self._refuse(flow, self._elsewhere(run, flow.request))  # answered alike, open port or not
+        except Exception:
+            hook_failed("http_connect")
 
-    @staticmethod
-    def _refuse(flow: http.HTTPFlow, reason: str) -> None:
-        log.warning(f"stepmill: refused {flow.request.method} {flow.request.pretty_host}{flow.request.path[:200]}: "
-                    f"{reason}")
-        flow.response = http.Response.make(403, json_bytes({"error": {
-            "message": f"stepmill refused this call: {reason}", "type": "stepmill_refused"}}),
-            {"Content-Type": "application/json"})
+    def server_connect(self, data: server_hooks.ServerConnectionHookData):
+        """Whatever rewrote a request after the checks above, a door's connection opens to its run's
+        hosts alone."""
+        run = self.state.runs.at_door(data.client.id)
+        if run is None or data.server.address is None:
+            return
+        if not self._reaches(run, *data.server.address):
+            data.server.error = (f"stepmill refused this connection: run {run.trajectory_id!r} reaches only the "
+                                 f"hosts of its route and [isolation] allow_hosts")
+            log.warning(f"stepmill: refused a connection of run {run.trajectory_id!r} to {data.server.address}")
 
     def tcp_start(self, flow: tcp.TCPFlow):
         self._no_raw(flow)
@@ -96,12 +134,36 @@ class Doors:
 
     def _no_raw(self, flow) -> None:
         """A run's door carries HTTP to the proxy, never a raw stream to whatever host it names."""
-        if self.state.runs.at_door(client_address(flow)) is not None:
+        if self.state.runs.at_door(flow.client_conn.id) is not None:
             log.warning(f"stepmill: refused a raw {type(flow).__name__} from a run's door to {flow.server_conn.address}")
             flow.kill()
 
+    # -- the check itself -----------------------------------------------------------------------------
+    @staticmethod
+    def _reaches(run: RegisteredRun, host: str, port: int) -> bool:
+        return destination(host, port) in run.reach
+
+    @staticmethod
+    def _elsewhere(run: RegisteredRun, request: http.Request) -> str:
+        target = f"{request.host}:{request.port}"
+        return (f"run {run.trajectory_id!r} reaches only the hosts of its route and [isolation] allow_hosts "
+                f"through the proxy, not {request.method} {target}")
+
+    @staticmethod
+    def _is_control(flow: http.HTTPFlow) -> bool:
+        """The control API, answered by the proxy itself (ControlEndpoint): no connection goes anywhere."""
+        return (isinstance(flow.client_conn.proxy_mode, mode_specs.RegularMode) and flow.request.scheme == "http"
+                and flow.request.host == ctx.options.stepmill_control_host)
+
+    @staticmethod
+    def _refuse(flow: http.HTTPFlow, reason: str) -> None:
+        log.warning(f"stepmill: refused {flow.request.method} {flow.request.host}:{flow.request.port}"
+                    f"{flow.request.path[:200] if flow.request.method != 'CONNECT' else ''}: {reason}")
+        flow.request.stream = False  # answered here: the body is read and dropped, never streamed on
+        flow.response = http.Response.make(403, json_bytes({"error": {
+            "message": f"stepmill refused this call: {reason}", "type": "stepmill_refused"}}),
+            {"Content-Type": "application/json"})
+
 
 def _same(given: str, token: str) -> bool:
-    import hmac
-
     return hmac.compare_digest(given.strip().encode(), token.encode())

@@ -20,11 +20,12 @@ import time
 from pathlib import Path
 
 from bench.lean_upstream import start_lean_upstream
+from stepmill.auth.secret_hashes import secret_hash
 from stepmill.auth.write_token import ensure_token
 from stepmill.children import free_port
 from stepmill.client import StepmillClient
 from stepmill.runner import isolation as iso
-from stepmill.runner.door import Doors, Way, new_address
+from stepmill.runner.door import Doors, Way, new_key
 
 CLIENT = r'''
 import base64, http.client, json, sys, time
@@ -72,13 +73,14 @@ def main() -> None:
                 if time.time() > deadline:
                     raise
                 time.sleep(0.2)
-        address = new_address()
+        door_key = new_key()
         client.start_trajectory(trajectory_id="door-bench", group_id="door-bench")
-        secret = client.register_run("door-bench", door=address)["secret"]
+        secret = client.register_run("door-bench", door=secret_hash(door_key),
+                                     hosts=[f"127.0.0.1:{http_port}"])["secret"]
         auth, target = f"door-bench:{secret}", f"http://127.0.0.1:{http_port}"
         run_dir = work / "run"
         (run_dir / "work").mkdir(parents=True)
-        door, folder = doors.open("bench", address, [Way(port, "127.0.0.1", port)])
+        door, folder = doors.open("bench", door_key, [Way(port, "127.0.0.1", port)])
         outside = [sys.executable, "-I", "-c", CLIENT, "127.0.0.1", str(port), str(args.calls), auth, target]
         inside = iso.sandbox_command(outside, run_dir=run_dir, private=iso.Private([], []), door=door, needs=[folder])
         times: dict[str, list[float]] = {"host loopback": [], "sandbox door": []}

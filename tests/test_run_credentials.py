@@ -2,6 +2,7 @@
 headers never override credentials; intruders are refused with a clear 403 and no step; completing a
 trajectory waits until its calls are committed; anonymous health says nothing but ok."""
 
+import hashlib
 import json
 import sqlite3
 import ssl
@@ -183,7 +184,7 @@ def test_while_sandboxed_runs_are_open_a_call_from_no_door_needs_credentials_or_
     process on the host, one left behind by an unsandboxed run) writes only as a registered run or
     with the write token. Once the runs end, plain tagging works as without the runner."""
     proxy.client().start_trajectory(trajectory_id=f"boxed-{marker}", group_id=f"boxed-grp-{marker}", channel="train")
-    proxy.client().register_run(f"boxed-{marker}", door="127.0.9.9")
+    proxy.client().register_run(f"boxed-{marker}", door=hashlib.sha256(f"door key {marker}".encode()).hexdigest())
     try:
         plain = _client(proxy, f"http://127.0.0.1:{proxy.port}", **{"X-Stepmill-Trajectory": f"outside-{marker}"})
         with pytest.raises(openai.PermissionDeniedError, match="sandboxed run.* are open: a call that comes through "

@@ -39,17 +39,11 @@ THUMBS = {"up": 1.0, "down": -1.0}  # feedback thumbs as rewards (README: Curati
 
 
 def _is_door(value) -> bool:
-    """A loopback address other than 127.0.0.1 (which every local client has): a sandboxed run's door."""
-    import ipaddress
-
-    try:
-        address = ipaddress.IPv4Address(value)
-    except ValueError:
-        return False
-    return address.is_loopback and str(address) == value and value != "127.0.0.1"
+    """A sandboxed run's door: the SHA-256 of its door key, which the runner's side of the door adds."""
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
-DOOR = (_is_door, "a loopback address other than 127.0.0.1, as 127.a.b.c")
+DOOR = (_is_door, "the SHA-256 (64 hex digits) of the run's door key")
 HOSTS = (lambda v: isinstance(v, list) and len(v) <= 100 and all(isinstance(h, str) and 0 < len(h) < 300 and is_text(h)
                                                                   for h in v), "a list of host[:port] strings")
 

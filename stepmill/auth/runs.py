@@ -8,14 +8,24 @@ ends (completed, failed, timed out or cancelled): from then on they write nothin
 (``stepmill.tags``). Lookups are dictionary reads and one SHA-256 of a short secret: cheap enough for
 the loop. The table is filled by the control API in this process and, for runs registered through
 another proxy on the same file, by a thread that reads new rows off the loop.
+
+A sandboxed run's door is known by a key, never by an address: the runner's side of the door adds
+it (``DOOR_HEADER``) to the first request of each connection it carries, and the run never sees it.
+The connection is then bound to the run (``bind``): every later request on it is the run's, found
+with one dictionary read.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import urllib.parse
 from dataclasses import dataclass
 
-from stepmill.auth.secret_hashes import secret_matches
+from stepmill.auth.secret_hashes import secret_hash, secret_matches
 from stepmill.tags import Tags
+
+DOOR_HEADER = "X-Stepmill-Door"
+DEFAULT_PORTS = (443, 80)  # what a host named without a port may be reached on
 
 
 class Refused(Exception):
@@ -34,8 +44,14 @@ class RegisteredRun:
     secret_hash: str
     rowid: int = 0  # its registration's row: a later one replaces it, an older one never does
     revoked: bool = False  # the run ended: its secret no longer writes (its trajectory stays registered)
-    door: str | None = None  # a sandboxed run's loopback address: every call from it is this run's
-    hosts: tuple = ()  # what else than LLM calls a run at a door may reach through the proxy (host[:port])
+    door: str | None = None  # the hash of a sandboxed run's door key: every call carrying the key is this run's
+    hosts: tuple = ()  # where a run at a door may reach through the proxy (host:port, or host on 443 and 80)
+    reach: frozenset = frozenset()  # ``hosts`` as (host, port) pairs: what the door's check compares
+
+    @classmethod
+    def with_reach(cls, run: "RegisteredRun") -> "RegisteredRun":
+        return dataclasses.replace(run, hosts=tuple(run.hosts), reach=frozenset(
+            pair for entry in run.hosts for pair in host_ports(entry)))
 
     def admits(self, secret: str | None) -> bool:
         return not self.revoked and secret_matches(secret, self.secret_hash)
@@ -45,8 +61,9 @@ class RunTable:
     def __init__(self):
         self.runs: dict[str, RegisteredRun] = {}
         self.groups: set[str] = set()
-        self.doors: dict[str, str] = {}  # door address -> the trajectory of the run behind it
+        self.doors: dict[str, str] = {}  # door key hash -> the trajectory of the run behind it
         self.open_doors: set[str] = set()  # trajectories of sandboxed runs not yet ended
+        self.bound: dict[str, str] = {}  # client connection id -> the trajectory whose door key it carried
 
     def add(self, run: RegisteredRun) -> None:
         known = self.runs.get(run.trajectory_id)
@@ -54,8 +71,7 @@ class RunTable:
             return  # read late from the file: the newer registration (a rerun's secret) stands
         if known is not None and known.door and self.doors.get(known.door) == run.trajectory_id:
             del self.doors[known.door]
-        if isinstance(run.hosts, list):
-            run = RegisteredRun(**{**run.__dict__, "hosts": tuple(run.hosts)})
+        run = RegisteredRun.with_reach(run)
         self.runs[run.trajectory_id] = run
         if run.door:
             self.doors[run.door] = run.trajectory_id
@@ -66,17 +82,29 @@ class RunTable:
         if run.group_id:
             self.groups.add(run.group_id)
 
-    def at_door(self, address: str | None) -> RegisteredRun | None:
-        """The run whose door a connection comes from, or None (not a sandboxed run's)."""
-        trajectory = self.doors.get(address) if address else None
-        return self.runs.get(trajectory) if trajectory else None
+    def bind(self, connection: str, key: str) -> RegisteredRun | None:
+        """The run whose door key a connection's first request carried, bound to the connection from
+        now on; None for a key no run holds (nothing is bound)."""
+        trajectory = self.doors.get(secret_hash(key.strip()))
+        if trajectory is None:
+            return None
+        self.bound[connection] = trajectory
+        return self.runs.get(trajectory)
+
+    def at_door(self, connection: str) -> RegisteredRun | None:
+        """The run a client connection is bound to, or None (not a sandboxed run's): one dictionary read."""
+        trajectory = self.bound.get(connection)
+        return self.runs.get(trajectory) if trajectory is not None else None
+
+    def unbind(self, connection: str) -> None:
+        self.bound.pop(connection, None)
 
     @staticmethod
     def through_door(run: RegisteredRun, credentials: tuple, headers: Tags | None) -> Tags:
         """A call from a run's door is that run's, whatever it says: it may name no other trajectory (a
         tagged path, credentials of another run or of one nobody registered; tag headers too when no
         credential is given) nor another group, and it writes nothing once the run ended. Its secret is
-        not needed: the connection itself says who sent it."""
+        not needed: the door key its connection carried says who sent it."""
         if run.revoked:
             raise Refused(f"run {run.trajectory_id!r} has ended: its credentials were revoked")
         named = [(tags.trajectory_id, None) for tags in credentials if tags is not None and tags.trajectory_id]
@@ -129,3 +157,21 @@ class RunTable:
             raise Refused(f"group {tags.group_id!r} belongs to registered runs: trajectory "
                           f"{tags.trajectory_id!r} is not one of them")
         return tags
+
+
+def host_ports(entry: str) -> list[tuple[str, int]]:
+    """(host, port) pairs a ``host[:port]`` entry names, the host as a URL's (lower case, IPv6
+    without brackets): a given port alone, else the default ones."""
+    try:
+        parts = urllib.parse.urlsplit(f"//{entry.strip()}")
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return []
+    if not host:
+        return []
+    return [(host.rstrip("."), port)] if port else [(host.rstrip("."), default) for default in DEFAULT_PORTS]
+
+
+def destination(host: str, port: int) -> tuple[str, int]:
+    """Where a connection goes, as ``host_ports`` writes it."""
+    return host.lower().strip("[]").rstrip("."), port

@@ -27,7 +27,9 @@ from stepmill.children import die_with_parent
 from stepmill.client import ControlError, StepmillClient
 from stepmill.runner import isolation as iso
 from stepmill.runner.config import Config
-from stepmill.runner.door import Doors, Way, new_address, way_to
+from stepmill.auth.secret_hashes import secret_hash
+from stepmill.runner.door import Doors, Way, new_key, way_to
+from stepmill.runner.door_answers import EngineAnswers
 from stepmill.runner.limits import CappedLog, RunGroup
 from stepmill.runner.proxy_handle import ProxyHandle, origin
 from stepmill.runner.proxy_env import trust_env
@@ -126,7 +128,8 @@ def plan(config: Config) -> list[Job]:
 
 @dataclass(frozen=True)
 class Admission:
-    """What registering a run gave: its secret, and a sandboxed run's door address (None otherwise)."""
+    """What registering a run gave: its secret, and a sandboxed run's door key (None otherwise), which
+    only the runner's side of its door holds."""
 
     secret: str
     door: str | None = None
@@ -164,15 +167,20 @@ def register(config: Config, client: StepmillClient, store, job: Job) -> Admissi
     # A fresh secret per run (a rerun's replaces the old): only this run's credentials write here.
     if not with_door(config):
         return Admission(client.register_run(trajectory)["secret"])
-    hosts = [urllib.parse.urlsplit(config.route.base_url).netloc] if config.route.base_url else []
-    for attempt in range(20):  # a door address another live run holds is refused: another one, then
-        door = new_address()
-        try:
-            answer = client.register_run(trajectory, door=door, hosts=hosts + list(config.isolation.allow_hosts))
-            return Admission(answer["secret"], door)
-        except ControlError as exc:
-            if exc.status != 409 or attempt == 19:
-                raise
+    door = new_key()
+    answer = client.register_run(trajectory, door=secret_hash(door), hosts=route_hosts(config))
+    return Admission(answer["secret"], door)
+
+
+def route_hosts(config: Config) -> list[str]:
+    """Where a sandboxed run may reach through the proxy: its LLM's host and port, the engines, and
+    ``[isolation] allow_hosts`` (a host named without a port: 443 and 80)."""
+    hosts = []
+    if config.route.base_url:
+        parts = urllib.parse.urlsplit(config.route.base_url)
+        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+        hosts.append(f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}")
+    return hosts + list(config.route.engines) + list(config.isolation.allow_hosts)
 
 
 @dataclass
@@ -306,7 +314,8 @@ def _run_one(site: RunSite, job: Job, admission: Admission) -> Outcome | None:
             reader = threading.Thread(target=submit_steps, daemon=True, args=(
                 os.fdopen(steps_read, "rb"), proxy.client, submitted, {
                     "trajectory_id": trajectory, "group_id": group, "channel": run.channel, "model": run.model,
-                    "metadata": {"agent": agent.name, "white_box": True}}))
+                    "metadata": {"agent": agent.name, "white_box": True}},
+                site.doors.engine_answers(trajectory) if door is not None else None))
             reader.start()
         if stdin is not None:  # fed aside, so an agent that never reads it still times out
             threading.Thread(target=feed, args=(process.stdin, stdin), daemon=True).start()
@@ -331,6 +340,7 @@ def _run_one(site: RunSite, job: Job, admission: Admission) -> Outcome | None:
         site.slots.put(slot)  # a run that failed to start frees its uid too
         if door is not None:
             site.doors.close(trajectory)
+            site.doors.forget(trajectory)  # its step reader is done (or given up on)
         # Ended, failed, timed out or stopped: whatever the run left behind writes nothing more with its
         # secret (a rerun is registered with a new one).
         revoke(proxy.client, trajectory)
@@ -425,12 +435,13 @@ def feed(pipe, data: bytes) -> None:
         pass  # the agent exited without reading its input
 
 
-def engine_versions(step: dict, tags: dict) -> dict:
-    """The policy version from the engine's own word (vLLM's token route names the weight version that
-    sampled each token): the version its first token was sampled with, and every span when a weight
-    sync fell inside the generation. Nothing where the engine did not say (or says only "default",
-    never synced): the step is then stamped by when it began."""
-    spans = step.get("weight_versions")
+def engine_versions(said: dict, tags: dict) -> dict:
+    """The policy version from the engine's own word, as the run's engine door read it
+    (``EngineAnswers.said``: vLLM's token route names the weight version that sampled each token):
+    the version its first token was sampled with, and every span when a weight sync fell inside the
+    generation. Nothing where the engine did not say (or says only "default", never synced): the step
+    is then stamped by when it began."""
+    spans = said.get("weight_versions")
     if not (isinstance(spans, list) and spans and all(isinstance(span, dict) for span in spans)):
         return {}
     versions = [str(span.get("version"))[:200] for span in spans]
@@ -442,9 +453,12 @@ def engine_versions(step: dict, tags: dict) -> dict:
     return {"policy_version": versions[0], "metadata": metadata}
 
 
-def submit_steps(stream, client: StepmillClient, submitted: dict, tags: dict) -> None:
+def submit_steps(stream, client: StepmillClient, submitted: dict, tags: dict,
+                 answers: EngineAnswers | None = None) -> None:
     """A white-box run's steps, one JSON line each on its own pipe, submitted with the runner's
-    credential as they come. Of each line only the ids and what the engine said are taken."""
+    credential as they come. Of each line only the ids and what it says the engine answered are
+    taken; its policy version is what the run's engine door saw the engine answer for those output
+    ids (``answers``; none without a door), never a field of the line."""
     floor = time.time()  # a generation began after the run started, and after the line before it came
     with stream:
         for index, line in enumerate(stream):
@@ -462,7 +476,8 @@ def submit_steps(stream, client: StepmillClient, submitted: dict, tags: dict) ->
                 started = (min(max(float(started), floor), now)
                            if isinstance(started, (int, float)) and math.isfinite(started) else floor)
                 floor = now
-                client.submit_step(**{**reported, **tags, **first, **engine_versions(step, tags)}, step_index=index,
+                said = answers.said(step.get("response_ids")) if answers is not None else {}
+                client.submit_step(**{**reported, **tags, **first, **engine_versions(said, tags)}, step_index=index,
                                    started_at=started)
                 submitted["steps"] += 1
             except (ValueError, ControlError) as exc:

@@ -3,10 +3,13 @@
 Each sandboxed run has a network namespace of its own (``bwrap --unshare-net``) holding nothing but
 loopback. What it may reach is forwarded in: inside, ``door_inside.py`` listens on the loopback
 ports the run was told and carries each connection to a unix socket in the run's folder; outside,
-``Doors`` (one event loop thread of the runner) carries it on to the proxy — from the run's own
-loopback address (127.a.b.c, registered with the run), so the proxy knows from the connection
-alone which run sent a call. A white-box run's door to its engine reads each request's head first:
-one request per connection, and no admin route (``stepmill.auth.admin_routes``).
+``Doors`` (one event loop thread of the runner) carries it on. To the proxy, the first request head
+of each connection gets the run's door key (``DOOR_HEADER``; any the run wrote is dropped): the
+proxy binds the connection to the run by it, and the run never sees the key, so no other process
+of the host can be the run. A white-box run's door to its engine reads each request's head first
+(one request per connection, no admin route: ``stepmill.auth.admin_routes``) and each answer's
+token ids and weight versions (``door_answers``): a step's policy version is what the runner saw
+the engine say, never what the run reports.
 
 Nothing else is reachable from a run: not another run, not a service on the host's loopback, not
 the internet but through the proxy, which decides what of it a run may reach.
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import shutil
 import tempfile
 import threading
@@ -25,14 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stepmill.auth.admin_routes import is_admin_route
+from stepmill.auth.runs import DOOR_HEADER
+from stepmill.auth.secret_hashes import new_secret
+from stepmill.runner.door_answers import EngineAnswers
 
 INSIDE = str(Path(__file__).with_name("door_inside.py"))
 HEAD_LIMIT = 64 * 1024  # bytes of a request head the engine door reads at most
 
 
-def new_address() -> str:
-    """A loopback address of the run's own, never 127.0.0.x (where every local client is)."""
-    return f"127.{random.randint(1, 254)}.{random.randint(0, 255)}.{random.randint(1, 254)}"
+def new_key() -> str:
+    """A run's door key: the runner registers its hash with the proxy and adds it to what the door
+    carries; the run never holds it."""
+    return new_secret()
 
 
 @dataclass(frozen=True)
@@ -58,21 +64,25 @@ class Doors:
         self.loop = asyncio.new_event_loop()
         self.servers: dict[str, list] = {}
         self.folders: dict[str, Path] = {}
+        self.answers: dict[str, EngineAnswers] = {}  # per run: what its engine door saw the engine answer
         self.thread = threading.Thread(target=self.loop.run_forever, name="stepmill-doors", daemon=True)
         self.thread.start()
 
-    def open(self, key: str, address: str, ways: list[Way]) -> tuple[list[str], Path]:
+    def open(self, key: str, door_key: str, ways: list[Way]) -> tuple[list[str], Path]:
         """The run's door: a socket per way in a folder of its own (a short path: a unix socket's is at
         most 107 bytes), which the run's sandbox shows it; answers ``door_inside.py``'s arguments and
-        the folder."""
+        the folder. ``door_key`` goes to the proxy with each connection, never to an engine."""
         folder = Path(tempfile.mkdtemp(prefix="stepmill-door-", dir="/tmp" if os.access("/tmp", os.W_OK) else None))
         args = []
         servers = []
+        answers = self.answers[key] = EngineAnswers()
         for index, way in enumerate(ways):
             path = str(folder / f"{index}.sock")
-            handler = self._gate if way.http_gate else self._carry
-            server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(
-                lambda r, w, way=way: handler(r, w, way, address), path), self.loop).result(30)
+            if way.http_gate:
+                handler = lambda r, w, way=way: self._gate(r, w, way, answers)  # noqa: E731
+            else:
+                handler = lambda r, w, way=way: self._carry(r, w, way, door_key)  # noqa: E731
+            server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(handler, path), self.loop).result(30)
             os.chmod(path, 0o666)  # the run may be another uid (root in the sandbox needs no mode)
             servers.append(server)
             args += ["--listen", f"{way.port}={path}"]
@@ -80,34 +90,52 @@ class Doors:
         self.folders[key] = folder
         return args, folder
 
+    def engine_answers(self, key: str) -> EngineAnswers | None:
+        """What the run's engine door saw the engine answer (None: the run has no door)."""
+        return self.answers.get(key)
+
     def close(self, key: str) -> None:
+        """The run's door shut; what its engine answered stays readable until ``forget``."""
         for server in self.servers.pop(key, []):
             self.loop.call_soon_threadsafe(server.close)
         folder = self.folders.pop(key, None)
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
 
+    def forget(self, key: str) -> None:
+        self.answers.pop(key, None)
+
     def stop(self) -> None:
         for key in list(self.servers):
             self.close(key)
         self.loop.call_soon_threadsafe(self.loop.stop)
 
-    async def _connect(self, way: Way, address: str):
-        return await asyncio.open_connection(way.host, way.target_port, local_addr=(address, 0))
-
-    async def _carry(self, reader, writer, way: Way, address: str) -> None:
+    async def _carry(self, reader, writer, way: Way, door_key: str) -> None:
+        """To the proxy: the first request head with the run's door key instead of any the run wrote,
+        then both ways as they come. What is no HTTP/1 request is not carried."""
         try:
-            up_reader, up_writer = await self._connect(way, address)
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
+            writer.close()
+            return
+        keyed = with_door_key(head, door_key)
+        if keyed is None:
+            writer.close()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(way.host, way.target_port)
         except OSError:
             writer.close()
             return
+        up_writer.write(keyed)
         await asyncio.gather(_pump(reader, up_writer), _pump(up_reader, writer))
         writer.close()
         up_writer.close()
 
-    async def _gate(self, reader, writer, way: Way, address: str) -> None:
+    async def _gate(self, reader, writer, way: Way, answers: EngineAnswers) -> None:
         """One request: its head read whole and checked, its body (Content-Length) carried, then the
-        answer until the engine closes. What follows the body is never sent on."""
+        answer until the engine closes, read as it passes (``answers``). What follows the body is
+        never sent on."""
         try:
             head = await reader.readuntil(b"\r\n\r\n")
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
@@ -133,7 +161,7 @@ class Doors:
             await _close(writer)
             return
         try:
-            up_reader, up_writer = await self._connect(way, address)
+            up_reader, up_writer = await asyncio.open_connection(way.host, way.target_port)
         except OSError:
             writer.close()
             return
@@ -145,8 +173,47 @@ class Doors:
             await _close(up_writer)
             writer.close()
             return
-        await _pump(up_reader, writer)
+        await _pump_answer(up_reader, writer, answers)
         await _close(up_writer)
+
+
+def with_door_key(head: bytes, door_key: str) -> bytes | None:
+    """An HTTP/1 request head (CONNECT, a plain request, a WebSocket upgrade) with the door key as its
+    only ``DOOR_HEADER``; None for anything else."""
+    lines = head[:-4].split(b"\r\n")
+    words = lines[0].split(b" ")
+    if len(words) != 3 or not words[2].startswith(b"HTTP/1.") or not words[0].isalpha():
+        return None
+    name = DOOR_HEADER.lower().encode()
+    kept = [line for line in lines[1:] if line.partition(b":")[0].strip().lower() != name]
+    return b"\r\n".join([lines[0], DOOR_HEADER.encode() + b": " + door_key.encode(), *kept]) + b"\r\n\r\n"
+
+
+async def _pump_answer(reader, writer, answers: EngineAnswers) -> None:
+    """The engine's answer to the run, read as it passes. The last piece is held until the engine
+    closed and the answer was read: the run never has a whole answer the runner has not seen."""
+    seen = answers.reading()
+    held = b""
+    try:
+        while data := await reader.read(65536):
+            if held:
+                writer.write(held)
+                await writer.drain()
+            seen.add(data)
+            held = data
+        answers.keep(seen)
+        writer.write(held)
+        await writer.drain()
+    except OSError:
+        pass
+    finally:
+        try:
+            if writer.can_write_eof():
+                writer.write_eof()
+            else:
+                writer.close()
+        except OSError:
+            writer.close()
 
 
 async def _pump(reader, writer) -> None:
