@@ -1,10 +1,16 @@
-"""The engine serves each new policy, in place, verified.
+"""The engine serves each new policy, in place, verified before anyone samples from it.
 
-A version's weights go to a fresh folder (safetensors with the HF config), the engine reloads them
-without a restart, and a fixed probe proves it: the engine's logprobs of the probe's tokens must equal
-the trainer's own under the new weights, else SyncError. Two ways for vLLM (VLLMSync): the full weights
-(pause → reload → reset the prefix cache → set the weight version → resume) or a LoRA adapter loaded in
-place; SGLang's update_weights_from_disk (SGLangSync) is written to SGLang's request shapes.
+A version's weights go to a fresh folder (safetensors with the HF config), the engine pauses generation,
+reloads them without a restart, and a fixed probe proves them while it is still paused: the engine's
+logprobs of the probe's tokens, computed inside its worker by stepmill's worker extension
+(``stepmill_probe`` over ``collective_rpc``), must equal the trainer's own under the new weights. Only then
+is the proxy's policy version set, the prefix cache reset, the engine's weight version set and generation
+resumed. A probe that fails leaves generation paused (SyncError): no call is scheduled on weights that
+failed it, and the calls the engine holds stay held until the caller resumes or aborts them.
+
+Two ways for vLLM (VLLMSync): the full weights, or a LoRA adapter loaded in place (its probe runs over
+HTTP after the load: see sync_lora). SGLang's update_weights_from_disk (SGLangSync) is written to SGLang's
+request shapes and has no in-place probe (SGLangSync says how far it goes).
 
 vLLM's admin routes exist only with ``VLLM_SERVER_DEV_MODE=1``; ``stepmill.auth.admin_routes`` lists them
 (and SGLang's) so the proxy and a run's door refuse them: only the trainer may call them.
@@ -213,8 +219,9 @@ class SyncReport:
                 "total_seconds": self.total_seconds}
 
 
-# The phases during which the engine generates nothing; "save" comes before, the probes after.
-PAUSED_PHASES = ("pause", "reload", "stamp", "reset_cache", "version", "resume")
+# The phases during which the engine generates nothing: "save" and the trainer's side of the probe come
+# before; the engine's side of the probe is one of them (a LoRA adapter's comes after the resume).
+PAUSED_PHASES = ("pause", "reload", "probe_engine", "stamp", "reset_cache", "version", "resume")
 
 
 class _Phases:
@@ -270,12 +277,14 @@ class _Engine:
 
 @contextmanager
 def _left_paused(version: str) -> Iterator[None]:
-    """A step between the pause and the resume failed: the engine stays paused, half a policy unserved."""
+    """A step between the pause and the resume failed, the probe included: the engine stays paused, and
+    nothing is scheduled on weights that were not verified."""
     try:
         yield
     except SyncError as exc:
-        raise SyncError(f"{exc}; the engine is left paused (POST /resume to serve what it holds)",
-                        version=version) from None
+        raise SyncError(f"{exc}; generation is left paused, nothing sampled from these weights (POST /resume "
+                        "would serve them; VLLMSync.abort_held ends the calls it holds)",
+                        version=version, gap=exc.gap) from None
 
 
 # ---------------------------------------------------------------------------------------------- vLLM
@@ -318,11 +327,12 @@ class VLLMSync:
     # -- the full weights
 
     def sync(self, model: Any, version: str, *, while_paused: Callable[[float], None] | None = None) -> SyncReport:
-        """Write ``model``'s weights as ``version`` and serve them in place; SyncError when a step fails or
-        the probe's gap exceeds the tolerance (the engine is then left paused: it serves no wrong policy).
-        ``while_paused(paused_at)``: called once the new weights are in and before generation resumes,
-        with the time the pause was asked for (epoch seconds): where a trainer sets the proxy's policy
-        version from that moment, so every call the engine held is stamped with the weights it gets."""
+        """Write ``model``'s weights as ``version``, load them while generation is paused, check them by the
+        probe inside the engine, and resume only when they pass; SyncError when a step fails or the probe's
+        gap exceeds the tolerance (generation is then left paused: no call is scheduled on those weights).
+        ``while_paused(paused_at)``: called once the new weights passed the probe and before generation
+        resumes, with the time the pause was asked for (epoch seconds): where a trainer sets the proxy's
+        policy version from that moment, so every call the engine held is stamped with the weights it gets."""
         tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
         if tied and self.reload == "vllm" and not self.allow_stale_tied:
             raise ConfigError("vLLM's own reload_weights keeps a tied lm_head's old weights (the probe then "
@@ -332,6 +342,8 @@ class VLLMSync:
         phase, engine = _Phases(report), _Engine(self.url, self.timeout, version)
         with phase("save"):
             save_weights(model, folder)
+        with phase("probe_trainer"):  # before the pause: the engine waits for nothing of the trainer's
+            expected = trainer_logprobs(model, self.probe)
         paused_at = time.time()
         with phase("pause"):
             engine.call("POST", f"/pause?mode={self.pause_mode}", what="pausing generation")
@@ -340,6 +352,9 @@ class VLLMSync:
                 method = "stepmill_reload" if self.reload == "stepmill" else "reload_weights"
                 engine.call("POST", "/collective_rpc", {"method": method, "kwargs": {"weights_path": str(folder)}},
                             what="reloading the weights")
+            with phase("probe_engine"):
+                report.gap = gap(expected, engine_probe(engine, self.probe))
+            self._check(report)
             if while_paused is not None:
                 with phase("stamp"):
                     try:
@@ -348,9 +363,6 @@ class VLLMSync:
                         raise SyncError(f"setting the policy version for {version!r} failed: {exc}",
                                         version=version) from exc
             self._finish(engine, phase, version)
-        with phase("probe_trainer"):
-            expected = trainer_logprobs(model, self.probe)
-        self._verify(engine, phase, report, expected, self.served_model)
         with phase("prune"):
             prune(self.root, folder)
         return report
@@ -360,7 +372,9 @@ class VLLMSync:
     def sync_lora(self, model: Any, adapter: LoraAdapter, version: str, *, name: str = "policy") -> SyncReport:
         """Write ``adapter`` as ``version`` and load it in place under ``name`` (the server was started
         with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1); calls that name ``name`` as their model
-        get it. Verified against ``model`` with the adapter merged."""
+        get it. Verified against ``model`` with the adapter merged, over HTTP AFTER generation resumes (the
+        in-place probe reads the base model only): calls to ``name`` in that window get the adapter
+        unverified; a failed probe pauses generation again and raises."""
         folder = version_folder(self._folders(model), version, kind="lora")
         report = SyncReport(version, "lora", str(folder))
         phase, engine = _Phases(report), _Engine(self.url, self.timeout, version)
@@ -396,17 +410,24 @@ class VLLMSync:
         with phase("resume"):
             engine.call("POST", "/resume", what="resuming generation")
 
+    def _check(self, report: SyncReport) -> None:
+        if not report.gap <= self.tolerance:
+            raise SyncError(f"weight version {report.version} is not what the engine holds: the probe's logprobs "
+                            f"differ from the trainer's by up to {report.gap:.3g} (tolerance {self.tolerance:g})",
+                            version=report.version, gap=report.gap)
+
     def _verify(self, engine: _Engine, phase: _Phases, report: SyncReport, expected: list[float],
                 served: str) -> None:
+        """The probe over HTTP, on a serving engine: beyond the tolerance it is paused again (held calls
+        stay held) and SyncError says so."""
         with phase("probe_engine"):
             report.gap = gap(expected, vllm_logprobs(self.url, served, self.probe, timeout=self.timeout))
-        if not report.gap <= self.tolerance:
-            # the engine serves a policy that is not the trainer's: stop it before an agent samples from it
+        try:
+            self._check(report)
+        except SyncError as exc:
             engine.call("POST", "/pause?mode=keep", what="pausing the engine after a failed verification")
-            raise SyncError(f"weight version {report.version} is not what the engine serves: the probe's "
-                            f"logprobs differ from the trainer's by up to {report.gap:.3g} (tolerance "
-                            f"{self.tolerance:g}); the engine is left paused (POST /resume to serve anyway)",
-                            version=report.version, gap=report.gap)
+            raise SyncError(f"{exc}; the engine is paused again (POST /resume to serve anyway)",
+                            version=report.version, gap=report.gap) from None
 
     def verify(self, model: Any, version: str, *, lora: LoraAdapter | None = None) -> float:
         """The probe alone: the max gap between ``model``'s logprobs (with ``lora`` merged, then against the
@@ -429,10 +450,32 @@ class VLLMSync:
     def resume(self) -> None:
         _Engine(self.url, self.timeout).call("POST", "/resume", what="resuming generation")
 
+    def abort_held(self) -> None:
+        """After a failed sync: end every call the paused engine holds (their clients get vLLM's abort),
+        generation still paused; what a trainer that stops does, so its rollouts end now rather than at
+        their timeout."""
+        _Engine(self.url, self.timeout).call("POST", "/pause?mode=abort", what="aborting the calls it holds")
+
     def close(self) -> None:
         """Remove every version's folder (the engine keeps what it loaded in memory)."""
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def engine_probe(engine: _Engine, tokens: Sequence[int]) -> list[float]:
+    """The probe's logprobs computed inside the engine by stepmill's worker extension (``stepmill_probe``):
+    no request is scheduled, so it answers while generation is paused; one list per worker, all equal."""
+    answer = engine.call("POST", "/collective_rpc", {"method": "stepmill_probe",
+                                                     "kwargs": {"tokens": json.dumps(list(tokens))}},
+                         what="reading the probe's logprobs in the engine")
+    try:
+        rows = [[float(x) for x in result["logprobs"]] for result in answer["results"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SyncError(f"the engine's workers gave no probe logprobs ({exc!r}: is the server started with "
+                        f"stepmill's worker extension?): {str(answer)[:500]}") from None
+    if not rows or any(row != rows[0] for row in rows):
+        raise SyncError(f"the engine's {len(rows)} workers disagree on the probe (or none answered)")
+    return rows[0]
 
 
 def vllm_logprobs(url: str, served_model: str, tokens: Sequence[int], *, timeout: float = 120) -> list[float]:
@@ -523,4 +566,4 @@ def sglang_logprobs(url: str, tokens: Sequence[int], *, timeout: float = 120) ->
 
 __all__ = ["ADMIN_ROUTES", "is_admin_route", "probe_tokens", "trainer_logprobs", "gap", "weights_root",
            "model_bytes", "version_folder", "save_weights", "prune", "LoraAdapter", "save_lora", "applied_lora",
-           "SyncReport", "PAUSED_PHASES", "VLLMSync", "vllm_logprobs", "SGLangSync", "sglang_logprobs"]
+           "SyncReport", "PAUSED_PHASES", "VLLMSync", "engine_probe", "vllm_logprobs", "SGLangSync", "sglang_logprobs"]

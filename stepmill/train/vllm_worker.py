@@ -1,5 +1,5 @@
-"""A vLLM worker extension (``--worker-extension-cls``): reload a new policy's weights in place and keep
-tied embeddings tied.
+"""A vLLM worker extension (``--worker-extension-cls``): reload a new policy's weights in place, keep
+tied embeddings tied, and read the probe's logprobs from the loaded model while generation is paused.
 
 vLLM 0.32's in-place reload (``reload_weights``) loads ``embed_tokens`` but never reprocesses a tied
 ``lm_head``: the checkpoint holds no ``lm_head.weight``, so the layer keeps the kernel state it was given
@@ -7,13 +7,22 @@ at start. On the CPU build that state is a prepacked GEMM handle made from the O
 engine samples from the old output layer while reading the new input embedding. ``stepmill_reload``
 reloads, points ``lm_head`` at the embedding again and rebuilds its kernel state.
 
+``stepmill_probe`` is how a new version is checked before anyone samples from it: a forward pass of the
+loaded model on the probe's tokens inside the worker, while the scheduler is paused (no request can be
+scheduled then, so none sees weights that fail it). Every weight goes through the engine's own layers and
+kernels (embedding, projections, norms, rotary, the output layer's prepacked GEMM); only the attention
+of that one sequence is computed by torch's causal SDPA instead of the paged-cache kernel, so the probe
+writes nothing into the KV cache that held calls own.
+
 The engine's own Python imports this file as a top-level module (stepmill_vllm_worker) from a folder
 that holds only it, so it imports nothing of stepmill and torch only where vLLM has already loaded it.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 MODULE = "stepmill_vllm_worker"
@@ -50,6 +59,82 @@ class StepmillWorkerExtension:
         head, embed = _head_and_embed(model)
         shared = head is not None and embed is not None and head.weight.data_ptr() == embed.weight.data_ptr()
         return {"tied": tied, "shared": shared}
+
+
+    def stepmill_probe(self, tokens: str) -> dict:
+        """The loaded model's logprob of each token after the first given the ones before (``tokens``: a
+        JSON list of ids), what vLLM's ``prompt_logprobs`` gives for them, computed in place."""
+        import torch
+        from vllm.forward_context import set_forward_context
+
+        ids = json.loads(tokens)
+        if not (isinstance(ids, list) and len(ids) > 1 and all(isinstance(i, int) and i >= 0 for i in ids)):
+            raise ValueError("the probe is a JSON list of at least two token ids")
+        model = self.model_runner.get_model()
+        device = next(model.parameters()).device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        positions = torch.arange(len(ids), dtype=torch.long, device=device)
+        _no_lora(self.model_runner, len(ids))
+        # skip_compiled: the eager modules; slot_mapping {}: no layer writes the KV cache
+        with torch.inference_mode(), _causal_sdpa(model), set_forward_context(
+                None, self.vllm_config, num_tokens=len(ids), slot_mapping={}, skip_compiled=True):
+            hidden = model(input_ids=input_ids, positions=positions)
+            logits = model.compute_logits(hidden)
+        picked = torch.log_softmax(logits[:-1].float(), dim=-1).gather(-1, input_ids[1:, None])[:, 0]
+        return {"logprobs": picked.tolist()}
+
+
+def _no_lora(runner, count: int) -> None:
+    """On a server with --enable-lora: map every probe token to the base model (no adapter); the next
+    scheduled step sets its own mapping."""
+    if getattr(runner, "lora_config", None) and hasattr(runner, "_set_active_loras"):
+        runner._set_active_loras((0,) * count, (0,) * count, set())
+
+
+class _CausalAttention:
+    """Stands in for a layer's attention backend during the probe: one sequence, causal, grouped-query,
+    the layer's own scale; the KV cache is neither read nor written."""
+
+    def __init__(self, impl):
+        self.impl = impl
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
+                output_block_scale=None):
+        import torch.nn.functional as F
+
+        heads, kv_heads = query.shape[1], key.shape[1]
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+        attended = F.scaled_dot_product_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                                                  is_causal=True, scale=self.impl.scale)
+        output[: query.shape[0]].copy_(attended.transpose(0, 1))
+        return output
+
+
+def _plain_causal(impl) -> bool:
+    """Attention the SDPA stand-in computes exactly: a decoder's, no window, no ALiBi, no soft cap, no sinks."""
+    return (getattr(impl, "attn_type", "decoder") == "decoder"
+            and getattr(impl, "sliding_window", None) in (None, -1) and getattr(impl, "alibi_slopes", None) is None
+            and not getattr(impl, "logits_soft_cap", 0) and getattr(impl, "sinks", None) is None)
+
+
+@contextmanager
+def _causal_sdpa(model):
+    """Every attention layer of ``model`` computed by _CausalAttention for the block, its backend put back after."""
+    layers = [m for m in model.modules() if hasattr(m, "impl") and hasattr(m, "layer_name")]
+    if not layers:
+        raise RuntimeError("the served model has no attention layer the probe knows")
+    for layer in layers:
+        if not _plain_causal(layer.impl):
+            raise RuntimeError(f"{layer.layer_name}: the in-place probe computes plain causal attention only")
+    saved = [(layer, layer.impl) for layer in layers]
+    try:
+        for layer, impl in saved:
+            layer.impl = _CausalAttention(impl)
+        yield model
+    finally:
+        for layer, impl in saved:
+            layer.impl = impl
 
 
 def _head_and_embed(model):
