@@ -16,12 +16,16 @@ from stepmill.errors import ConfigError, Conflict
 @click.command()
 @click.argument("config_path", metavar="CONFIG", type=click.Path(exists=True, dir_okay=False))
 @config_db_option
+@click.option("--runs-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the runs' folders go (default: [run] runs_dir, else <database>.runs beside the database).")
 @click.option("--no-progress", is_flag=True)
-def rollout(config_path, db, no_progress):
+def rollout(config_path, db, runs_dir, no_progress):
     """Run every task of the configured dataset n times through the proxy, then score the rewards."""
     from stepmill.runner.config import load
 
     config = load(config_path)
+    if runs_dir:
+        config.run.runs_dir = str(Path(runs_dir).expanduser().resolve())
     stop_on_signals()  # the runs stop cleanly
     if config.run.executor == "ray":  # the fleet runs the runner's runs, on the cluster's nodes
         if db:

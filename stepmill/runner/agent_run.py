@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stepmill.auth.write_token import ENV as TOKEN_ENV
-from stepmill.children import die_with_parent
 from stepmill.client import ControlError, StepmillClient
 from stepmill.runner import isolation as iso
 from stepmill.runner.config import Config
 from stepmill.auth.secret_hashes import secret_hash
 from stepmill.runner.door import Doors, Way, new_key, way_to
 from stepmill.runner.door_answers import EngineAnswers
+from stepmill.runner.isolation.files import module_folders
 from stepmill.runner.limits import CappedLog, RunGroup
 from stepmill.runner.proxy_handle import ProxyHandle, origin
 from stepmill.runner.proxy_env import trust_env
@@ -87,6 +87,11 @@ class RunSite:
         return private
 
     @functools.cached_property
+    def policy(self) -> iso.Policy:
+        """Its isolation mode's rules: what each run sees, how it is started, how it ends."""
+        return iso.policy(self.mode, self.config.isolation, self.private)
+
+    @functools.cached_property
     def doors(self) -> Doors:
         return Doors()
 
@@ -108,10 +113,40 @@ def white_box_tokenizer(config: Config) -> str | None:
     return tokenizer
 
 
-def new_runs_root() -> Path:
-    runs_root = Path(tempfile.mkdtemp(prefix="stepmill-rollout-"))
+def new_runs_root(folder: Path | None = None, keep_days: float = 0) -> Path:
+    """Where a rollout's run folders go: ``folder`` (beside its database: ``runs_folder``), made if
+    need be, with run folders older than ``keep_days`` days removed first (0: none removed); without
+    one, a new temporary folder."""
+    if folder is None:
+        runs_root = Path(tempfile.mkdtemp(prefix="stepmill-rollout-"))
+    else:
+        runs_root = Path(folder)
+        runs_root.mkdir(parents=True, exist_ok=True)
+        if keep_days:
+            prune_runs(runs_root, keep_days)
     os.chmod(runs_root, 0o711)  # other users (user mode) reach their own run folder, list none
     return runs_root
+
+
+def runs_folder(db: str, runs_dir: str | None) -> Path:
+    """A rollout's runs' root: ``[run] runs_dir`` (or ``--runs-dir``), else ``<database>.runs`` beside it."""
+    return Path(runs_dir).expanduser().resolve() if runs_dir else Path(f"{Path(db).resolve()}.runs")
+
+
+def prune_runs(runs_root: Path, keep_days: float) -> list[Path]:
+    """Run folders that last changed (their run ended: its env file removed, its log closed) more than
+    ``keep_days`` days ago are removed; a running run's folder changes as it runs."""
+    cutoff = time.time() - keep_days * 86400
+    removed = []
+    for folder in runs_root.iterdir():
+        if folder.is_symlink() or not folder.is_dir():
+            continue
+        log = folder / "work" / "agent.log"
+        last = max(folder.lstat().st_mtime, log.lstat().st_mtime if os.path.lexists(log) else 0)
+        if last < cutoff:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
 
 
 def plan(config: Config) -> list[Job]:
@@ -211,151 +246,181 @@ def run_one(site: RunSite, job: Job, admission: Admission) -> Outcome | None:
 def _run_one(site: RunSite, job: Job, admission: Admission) -> Outcome | None:
     if site.stop.is_set():
         return None
-    secret, door = admission.secret, admission.door
-    config, proxy, mode = site.config, site.proxy, site.mode
-    run, agent, task, trajectory, group = config.run, job.agent, job.task, job.trajectory, job.group
-    public_fields = set(config.public.get(run.dataset, []))
     slot = site.slots.get()
+    running = None
     try:
-        uid = config.isolation.first_uid + slot
-        run_dir = Path(tempfile.mkdtemp(prefix=encode_id(trajectory)[:80] + "-", dir=site.runs_root))
-        workdir = run_dir / "work"
-        workdir.mkdir()
-        run_bundle = run_dir / "ca-bundle.pem"  # the run's own copy: the confdir stays hidden
-        shutil.copyfile(site.bundle, run_bundle)
-        os.chmod(run_bundle, 0o644)
-        seed = run_seed(run.seed, job)
-        values = {"task": task["prompt"], "model": run.model, "workdir": str(workdir), "trajectory": trajectory,
-                  "group": group, "base_url": config.route.base_url or "", "origin": origin(config.route.base_url),
-                  "python": sys.executable, "seed": "" if seed is None else str(seed)}
-        # No agent gets the write token; loopback LLMs go through the proxy too (no NO_PROXY).
-        base = {k: v for k, v in iso.agent_environment(os.environ).items()
-                if k.lower() != "no_proxy" and k != TOKEN_ENV}
-        direct = {k: v for k, v in base.items() if not k.lower().endswith("_proxy")}
-        steps_read = steps_write = None
-        if agent.entry:  # white-box: straight to the engine; its steps come back on a pipe of its own
-            steps_read, steps_write = os.pipe()
-            command = [sys.executable, "-m", "stepmill.agents.whitebox", agent.entry]
-            env = {**direct, **trust_env(str(run_bundle)), **agent.env,
-                   "STEPMILL_ENGINE_URL": config.route.base_url, "STEPMILL_MODEL": run.model,
-                   "STEPMILL_TOKENIZER": site.white_box_tokenizer, "STEPMILL_STEPS_FD": str(steps_write),
-                   **({"STEPMILL_SEED": str(seed)} if seed is not None else {})}
-            # The task as the agent may see it: its id, prompt and public fields, never the answer.
-            stdin = json.dumps({k: v for k, v in task.items() if k in ("id", "prompt") or k in public_fields}).encode()
-        else:
-            command = [fill(part, values) for part in agent.command]
-            env = {**(direct if config.route.reverse else base), **proxy.env(trajectory, secret, config.route, run_bundle),
-                   **({"STEPMILL_SEED": str(seed)} if seed is not None else {}),
-                   **{name: fill(str(value), values) for name, value in agent.env.items()}}
-            stdin = task["prompt"].encode() if agent.input == "stdin" else None
-            if agent.input == "file":
-                Path(workdir, agent.file).write_text(task["prompt"])
-        env["STEPMILL_TRAJECTORY"] = trajectory
-        if mode in ("sandbox", "user"):  # a home of its own: agent CLIs write their state there
-            home = run_dir / "home"
-            home.mkdir()
-            env["HOME"] = str(home)
-        preexec = die_with_parent
-        if mode == "sandbox":
-            door_args, needs = None, [Path(site.white_box_tokenizer)] if agent.entry else []
-            needs += iso.module_folders(command, agent.entry, env.get("PYTHONPATH"))
-            if door is not None:  # its only ways out: the proxy (and a white-box run's engine), by its door
-                door_args, door_folder = site.doors.open(trajectory, door, ways(site, agent))
-                needs.append(door_folder)
-            command = iso.sandbox_command(command, run_dir=run_dir, private=site.private, needs=needs,
-                                          expose=config.isolation.expose, search_path=env.get("PATH"),
-                                          door=door_args, disk_mb=config.isolation.limits.disk_mb)
-        elif mode == "user":
-            iso.end_all(uid)  # whatever a run of this uid left behind (a killed runner's) goes first
-            iso.give_to(run_dir, uid)
-            os.chmod(run_dir, 0o700)
-            switch = iso.become(uid)
-            preexec = lambda: (switch(), die_with_parent())  # noqa: E731  (a uid change clears it)
-        elif mode == "container":
-            env_file = run_dir / "env"
-            iso.write_env_file(env_file, env)
-            command = iso.container_command(command, config.isolation.prefix, workdir=workdir, env_file=env_file,
-                                            uid=uid)
-        else:
-            print(iso.NONE_WARNING.format(trajectory=trajectory), file=sys.stderr, flush=True)
-        started = time.time()
-        submitted = {"steps": 0, "errors": []}
-        # Its own control group where the machine allows (processes and memory limited whole), rlimits else.
-        limited = RunGroup.make(f"stepmill-{os.path.basename(run_dir)}", config.isolation.limits)
-        enter = limited.enter
-        outer = preexec
-        preexec = lambda: (enter(), outer())  # noqa: E731  (into its group as root, before a uid change)
-        # Everything it prints goes to its log, capped (head and tail kept); a white-box run's steps come
-        # on their own pipe, which its tools never inherit.
-        log = CappedLog(Path(workdir, "agent.log"), config.isolation.limits.log_kb * 1024)
-        # Its own process group: an agent CLI's own children stop with it.
-        try:
-            process = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT,
-                                       stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                       start_new_session=True, preexec_fn=preexec,
-                                       pass_fds=(steps_write,) if steps_write is not None else ())
-        except BaseException:
-            log.follow(_Empty())
-            limited.remove()
-            raise
-        finally:
-            if steps_write is not None:
-                os.close(steps_write)  # the run holds the only write end: its exit ends the reader
-        log.follow(process.stdout)
-        with site.lock:  # registered, or stopped at once: an interrupt never misses a run that just started
-            site.processes[trajectory] = process
-            site.running += 1
-            stopping = site.stop.is_set()
-        if stopping:
-            stop_group(process)
-        reader = None
-        if agent.entry:
-            reader = threading.Thread(target=submit_steps, daemon=True, args=(
-                os.fdopen(steps_read, "rb"), proxy.client, submitted, {
-                    "trajectory_id": trajectory, "group_id": group, "channel": run.channel, "model": run.model,
-                    "metadata": {"agent": agent.name, "white_box": True}},
-                site.doors.engine_answers(trajectory) if door is not None else None))
-            reader.start()
-        if stdin is not None:  # fed aside, so an agent that never reads it still times out
-            threading.Thread(target=feed, args=(process.stdin, stdin), daemon=True).start()
-        outcome = "ok"
-        try:
-            process.wait(timeout=run.timeout)
-        except subprocess.TimeoutExpired:
-            stop_group(process)
-            outcome = "timeout"
-        if reader is not None:
-            reader.join(30)
-        submitted["closed"] = True  # a line something of the run writes later is not taken
-        hit = limited.hit()
-        limited.remove()  # what is left of the run (a user-mode daemon) is killed with its group
-        log.wait(10)  # a leftover holding its output keeps the log's thread, not the runner
-        with site.lock:
-            site.processes.pop(trajectory, None)
-            site.running -= 1
+        running = _prepare(site, job, admission, site.config.isolation.first_uid + slot)
+        _launch(site, running)
+        _wait(site, running)
     finally:
-        if mode == "user":
-            iso.end_all(uid)  # nothing of this run lives on to meet the next run of its uid
+        if running is not None:
+            site.policy.end(running.place)  # however it ended: what its mode leaves behind goes
         site.slots.put(slot)  # a run that failed to start frees its uid too
-        if door is not None:
-            site.doors.close(trajectory)
-            site.doors.forget(trajectory)  # its step reader is done (or given up on)
+        if admission.door is not None:
+            site.doors.close(job.trajectory)
+            site.doors.forget(job.trajectory)  # its step reader is done (or given up on)
         # Ended, failed, timed out or stopped: whatever the run left behind writes nothing more with its
         # secret (a rerun is registered with a new one).
-        revoke(proxy.client, trajectory)
+        revoke(site.proxy.client, job.trajectory)
     if site.stop.is_set():
         return None  # interrupted: the trajectory stays open and runs again next time
+    return _record(site, running)
+
+
+@dataclass
+class Running:
+    """One run on its way: where it is, what it runs, and what it did."""
+
+    job: Job
+    admission: Admission
+    place: iso.RunPlace
+    command: list
+    env: dict
+    stdin: bytes | None = None
+    steps: tuple = (None, None)  # a white-box run's steps pipe: read end, write end
+    limited: RunGroup | None = None
+    log: CappedLog | None = None
+    process: subprocess.Popen | None = None
+    started: float = 0.0
+    outcome: str = "ok"
+    hit: list = field(default_factory=list)
+    submitted: dict = field(default_factory=lambda: {"steps": 0, "errors": []})
+
+
+def _prepare(site: RunSite, job: Job, admission: Admission, uid: int) -> Running:
+    """The run's folder, command and environment, as its isolation mode shapes them."""
+    agent, trajectory = job.agent, job.trajectory
+    run_dir = Path(tempfile.mkdtemp(prefix=encode_id(trajectory)[:80] + "-", dir=site.runs_root))
+    os.chmod(run_dir, 0o755)  # the runner's; its work and home are the run's
+    place = iso.RunPlace(run_dir, trajectory, uid)
+    place.workdir.mkdir()
+    run_bundle = run_dir / "ca-bundle.pem"  # the run's own copy: the confdir stays hidden
+    shutil.copyfile(site.bundle, run_bundle)
+    os.chmod(run_bundle, 0o644)
+    running = Running(job, admission, place, *_command_and_env(site, job, admission.secret, place, run_bundle))
+    place.needs = [Path(site.white_box_tokenizer)] if agent.entry else []
+    place.needs += module_folders(running.command, agent.entry, running.env.get("PYTHONPATH"))
+    if admission.door is not None:  # its only ways out: the proxy (and a white-box run's engine), by its door
+        place.door, place.door_folder = site.doors.open(trajectory, admission.door, ways(site, agent))
+        place.needs.append(place.door_folder)
+    running.env.update(site.policy.sees(place))
+    return running
+
+
+def _command_and_env(site: RunSite, job: Job, secret: str, place: iso.RunPlace, run_bundle: Path) -> tuple:
+    """What the run executes, its environment (by allow-list: ``isolation/environment.py``), its stdin,
+    and a white-box run's steps pipe."""
+    config, proxy, run, agent, task = site.config, site.proxy, site.config.run, job.agent, job.task
+    seed = run_seed(run.seed, job)
+    seeded = {"STEPMILL_SEED": str(seed)} if seed is not None else {}
+    values = {"task": task["prompt"], "model": run.model, "workdir": str(place.workdir), "trajectory": job.trajectory,
+              "group": job.group, "base_url": config.route.base_url or "", "origin": origin(config.route.base_url),
+              "python": sys.executable, "seed": "" if seed is None else str(seed)}
+    # No agent gets the write token; loopback LLMs go through the proxy too (no NO_PROXY).
+    base = {k: v for k, v in iso.agent_environment(os.environ, config.isolation.pass_env).items()
+            if k.lower() != "no_proxy" and k != TOKEN_ENV}
+    direct = {k: v for k, v in base.items() if not k.lower().endswith("_proxy")}
+    if agent.entry:  # white-box: straight to the engine; its steps come back on a pipe of its own
+        steps = os.pipe()
+        command = [sys.executable, "-m", "stepmill.agents.whitebox", agent.entry]
+        env = {**direct, **trust_env(str(run_bundle)), **agent.env,
+               "STEPMILL_ENGINE_URL": config.route.base_url, "STEPMILL_MODEL": run.model,
+               "STEPMILL_TOKENIZER": site.white_box_tokenizer, "STEPMILL_STEPS_FD": str(steps[1]), **seeded}
+        # The task as the agent may see it: its id, prompt and public fields, never the answer.
+        public_fields = set(config.public.get(run.dataset, []))
+        stdin = json.dumps({k: v for k, v in task.items() if k in ("id", "prompt") or k in public_fields}).encode()
+    else:
+        steps = (None, None)
+        command = [fill(part, values) for part in agent.command]
+        env = {**(direct if config.route.reverse else base),
+               **proxy.env(job.trajectory, secret, config.route, run_bundle), **seeded,
+               **{name: fill(str(value), values) for name, value in agent.env.items()}}
+        stdin = task["prompt"].encode() if agent.input == "stdin" else None
+        if agent.input == "file":
+            Path(place.workdir, agent.file).write_text(task["prompt"])
+    env["STEPMILL_TRAJECTORY"] = job.trajectory
+    return command, env, stdin, steps
+
+
+def _launch(site: RunSite, running: Running) -> None:
+    """Started in its own control group (or rlimits), its own session, its output into its log."""
+    limits = site.config.isolation.limits
+    place, steps_write = running.place, running.steps[1]
+    # Its own control group where the machine allows (processes and memory limited whole), rlimits else.
+    running.limited = limited = RunGroup.make(f"stepmill-{place.run_dir.name}", limits,
+                                              counts_inside=site.policy.counts_own_processes)
+    start = site.policy.start(place, running.command, running.env, limited.nproc_inside())
+    enter, outer = limited.enter, start.preexec or (lambda: None)
+    # Everything it prints goes to its log, capped (head and tail kept); a white-box run's steps come
+    # on their own pipe, which its tools never inherit.
+    running.log = CappedLog(place.workdir / "agent.log", limits.log_kb * 1024)
+    running.started = time.time()
+    try:  # its own process group: an agent CLI's own children stop with it
+        running.process = subprocess.Popen(
+            start.command, cwd=place.workdir, env=running.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if running.stdin is not None else subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=lambda: (enter(), outer()),  # into its group as root, before a uid change
+            pass_fds=(steps_write,) if steps_write is not None else ())
+    except BaseException:
+        running.log.follow(_Empty())
+        limited.remove()
+        raise
+    finally:
+        if steps_write is not None:
+            os.close(steps_write)  # the run holds the only write end: its exit ends the reader
+    running.log.follow(running.process.stdout)
+
+
+def _wait(site: RunSite, running: Running) -> None:
+    """Until it ends or times out; then what it ran into, and nothing of it left running."""
+    job, process, trajectory, run = running.job, running.process, running.job.trajectory, site.config.run
+    with site.lock:  # registered, or stopped at once: an interrupt never misses a run that just started
+        site.processes[trajectory] = process
+        site.running += 1
+        stopping = site.stop.is_set()
+    if stopping:
+        stop_group(process)
+    reader = None
+    if job.agent.entry:
+        reader = threading.Thread(target=submit_steps, daemon=True, args=(
+            os.fdopen(running.steps[0], "rb"), site.proxy.client, running.submitted, {
+                "trajectory_id": trajectory, "group_id": job.group, "channel": run.channel, "model": run.model,
+                "metadata": {"agent": job.agent.name, "white_box": True}},
+            site.doors.engine_answers(trajectory) if running.admission.door is not None else None))
+        reader.start()
+    if running.stdin is not None:  # fed aside, so an agent that never reads it still times out
+        threading.Thread(target=feed, args=(process.stdin, running.stdin), daemon=True).start()
+    try:
+        process.wait(timeout=run.timeout)
+    except subprocess.TimeoutExpired:
+        stop_group(process)
+        running.outcome = "timeout"
+    if reader is not None:
+        reader.join(30)
+    running.submitted["closed"] = True  # a line something of the run writes later is not taken
+    running.hit = running.limited.hit()
+    running.limited.remove()  # what is left of the run (a user-mode daemon) is killed with its group
+    running.log.wait(10)  # a leftover holding its output keeps the log's thread, not the runner
+    with site.lock:
+        site.processes.pop(trajectory, None)
+        site.running -= 1
+
+
+def _record(site: RunSite, running: Running) -> Outcome:
+    """Its outcome on its trajectory (its log linked), then the trajectory completed."""
+    proxy, trajectory, process, submitted = site.proxy, running.job.trajectory, running.process, running.submitted
+    outcome, log = running.outcome, running.log
     if outcome == "ok" and (process.returncode != 0 or submitted["errors"]):
         outcome = "failed"
     try:
         proxy.client.update_trajectory(trajectory, metadata={
-            "exit_status": process.returncode, "outcome": outcome, "duration_s": round(time.time() - started, 3),
-            "workdir": str(workdir), "isolation": mode, "limits": limited.record(),
-            **({"limits_hit": hit} if hit else {}),
+            "exit_status": process.returncode, "outcome": outcome,
+            "duration_s": round(time.time() - running.started, 3), "workdir": str(running.place.workdir),
+            "log": str(log.path), "isolation": site.mode, "limits": running.limited.record(),
+            **({"limits_hit": running.hit} if running.hit else {}),
             **({"output_cut_bytes": log.cut} if log.cut else {}),
             **({"log_error": log.error} if log.error else {}),
-            **({"submitted_steps": submitted["steps"]} if agent.entry else {}),
+            **({"submitted_steps": submitted["steps"]} if running.job.agent.entry else {}),
             **({"submit_errors": submitted["errors"][:5]} if submitted["errors"] else {})})
     except ControlError as exc:  # a full disk under the database: the run's record waits, the rollout goes on
         if exc.status != 503:

@@ -37,6 +37,7 @@
     expose = ["/srv/repo"]                    # sandbox: more it sees, read-only ({ path, writable = true })
     network = "own"                           # sandbox: own (its only way out is the proxy) | host
     allow_hosts = ["pypi.org"]                # sandbox: reachable through the proxy besides the LLM
+    pass_env = ["CUDA_VISIBLE_DEVICES"]       # more of the runner's environment than PATH, HOME, LANG, TERM
     limits = { pids = 1024, memory_mb = 4096, log_kb = 1024 }  # per run (limits.py)
 
     [run]
@@ -47,6 +48,8 @@
     timeout = 120                             # seconds per run
     channel = "train"
     model = "qwen"
+    # runs_dir = "runs"                       # the runs' folders (default: <database>.runs, beside it)
+    # keep_runs_days = 7                      # older run folders are removed as a rollout starts (0: kept)
     # executor = "ray"                        # run on a Ray cluster's nodes (stepmill/fleet/ray_rollout.py), with:
     # ray_address = "ray://head:10001"        # default: ray.init()'s choice (RAY_ADDRESS, a running one, or local)
     # runs_per_node = 8                       # default: concurrency
@@ -109,6 +112,8 @@ class RolloutSettings:
     runs_per_node: int | None = None  # Ray: concurrent runs on each node (default: concurrency)
     node_dir: str = "~/.stepmill/nodes"  # Ray: each node's files, on that node's local disk
     coordinator: str | None = None  # Ray: the fleet's PostgreSQL (default: $STEPMILL_COORDINATOR)
+    runs_dir: str | None = None  # the runs' folders (default: <database>.runs beside the database)
+    keep_runs_days: float = 7  # run folders older than this are removed when a rollout starts; 0: kept
 
 
 EXECUTORS = ("local", "ray")
@@ -313,6 +318,13 @@ def load(path: str | Path) -> Config:
     if "seed" in run and (isinstance(run["seed"], bool) or not isinstance(run["seed"], int) or run["seed"] < 0):
         fail("run", "seed", "a non-negative integer is required")
     _check_executor(run, data, fail)
+    if "runs_dir" in run:
+        if not (isinstance(run["runs_dir"], str) and run["runs_dir"]):
+            fail("run", "runs_dir", "a folder path is required")
+        run["runs_dir"] = str((path.parent / os.path.expanduser(run["runs_dir"])).resolve())
+    if "keep_runs_days" in run and (isinstance(run["keep_runs_days"], bool)
+                                    or not isinstance(run["keep_runs_days"], (int, float)) or run["keep_runs_days"] < 0):
+        fail("run", "keep_runs_days", "a number of days ≥ 0 is required (0: never removed)")
     route = data.get("route", {})
     if "base_url" in route and not (isinstance(route["base_url"], str)
                                     and re.match(r"https?://[^/]", route["base_url"])):
@@ -345,6 +357,9 @@ def load(path: str | Path) -> Config:
     if "prefix" in isolation and not (isinstance(isolation["prefix"], list) and isolation["prefix"]
                                       and all(isinstance(p, str) for p in isolation["prefix"])):
         fail("isolation", "prefix", "a non-empty list of strings is required")
+    if "pass_env" in isolation and not (isinstance(isolation["pass_env"], list)
+                                        and all(isinstance(n, str) and n.rstrip("*") for n in isolation["pass_env"])):
+        fail("isolation", "pass_env", 'a list of variable names (or prefixes like "CUDA_*") is required')
     if isolation.get("mode") == "container" and "prefix" not in isolation:
         fail("isolation", "prefix", "mode = container needs the container command as prefix")
     return Config(path, agents, datasets, RolloutSettings(**run), data.get("proxy", {}), bool(data.get("reward")),

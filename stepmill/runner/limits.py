@@ -4,8 +4,11 @@ A run is an RL policy running shell commands: a fork bomb, a memory hog or a flo
 end that run only. Where this machine lets the runner make control groups (cgroup v2, or v1's
 ``pids`` and ``memory`` controllers), a run gets one of its own: its number of processes and its
 memory are limited whole, whatever it forks. Otherwise, and always for CPU time and file size,
-rlimits limit each of its processes. The run's record says which (``metadata.limits``) and what it
-ran into (``metadata.limits_hit``).
+rlimits limit each of its processes; its number of processes then by ``RLIMIT_NPROC``, which the
+kernel counts per user *and user namespace*: a sandboxed run sets it inside a user namespace of its
+own (``isolation/sandbox_inside.py``), so the count is the run's alone, never shared with other runs
+or the runner. The run's record says which (``metadata.limits``) and what it ran into
+(``metadata.limits_hit``).
 """
 
 from __future__ import annotations
@@ -60,10 +63,11 @@ class RunGroup:
     limits: Limits
     via: str = "rlimits"
     folders: dict = field(default_factory=dict)  # controller ("v2", "pids", "memory") -> its folder
+    counts_inside: bool = False  # the run sets RLIMIT_NPROC in its own user namespace (a sandbox)
 
     @classmethod
-    def make(cls, name: str, limits: Limits) -> "RunGroup":
-        group = cls(limits)
+    def make(cls, name: str, limits: Limits, *, counts_inside: bool = False) -> "RunGroup":
+        group = cls(limits, counts_inside=counts_inside)
         for attempt in (group._v2, group._v1):
             try:
                 if attempt(name):
@@ -129,15 +133,20 @@ class RunGroup:
         if self.via == "rlimits":
             if limits.memory_mb:
                 resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * 2**20,) * 2)
-            if limits.pids and os.geteuid() != 0:  # counted per user; root is never held by it
+            if limits.pids and os.geteuid() != 0 and not self.counts_inside:  # per user; never for root
                 resource.setrlimit(resource.RLIMIT_NPROC, (limits.pids, limits.pids))
+
+    def nproc_inside(self) -> int:
+        """The processes the run may have at once, for it to set in its own user namespace (0: none to set)."""
+        return self.limits.pids if self.counts_inside and self.via == "rlimits" else 0
 
     def record(self) -> dict:
         out = {"via": self.via, "pids": self.limits.pids, "memory_mb": self.limits.memory_mb,
                "cpu_seconds": self.limits.cpu_seconds, "file_mb": self.limits.file_mb, "log_kb": self.limits.log_kb,
                **({"disk_mb": self.limits.disk_mb} if self.limits.disk_mb else {})}
         if self.via == "rlimits":
-            out["note"] = "memory per process; processes per user (not for root)"
+            out["note"] = ("memory per process; processes: the run's own count, in its user namespace"
+                           if self.counts_inside else "memory per process; processes per user (not for root)")
         return out
 
     def hit(self) -> list[str]:

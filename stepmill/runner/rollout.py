@@ -21,7 +21,8 @@ from typing import Callable
 
 from stepmill.errors import ConfigError
 from stepmill.runner import isolation as iso
-from stepmill.runner.agent_run import RunSite, new_runs_root, plan, register, run_one, white_box_tokenizer
+from stepmill.runner.agent_run import (RunSite, new_runs_root, plan, register, run_one, runs_folder,
+                                       white_box_tokenizer)
 from stepmill.runner.config import Config
 from stepmill.runner.progress import Report, print_progress
 from stepmill.runner.proxy_env import ensure_bundle
@@ -138,7 +139,10 @@ def rollout_through(config: Config, proxy: ProxyHandle, *, progress: bool = True
     slots: queue.SimpleQueue = queue.SimpleQueue()  # user mode: concurrent runs never share a uid
     for slot in range(run.concurrency):
         slots.put(slot)
-    site = RunSite(config, proxy, mode, new_runs_root(), ensure_bundle(proxy.confdir), slots,
+    runs_root = new_runs_root(runs_folder(proxy.db, run.runs_dir), run.keep_runs_days)
+    if mode == "user":
+        iso.check_reachable(runs_root)
+    site = RunSite(config, proxy, mode, runs_root, ensure_bundle(proxy.confdir), slots,
                    white_box_tokenizer(config))
     admissions: dict = {}  # trajectory -> its Admission (None while its registration is under way)
     ended: set = set()  # runs that revoked their own secret as they ended (one stopped before it started did not)
