@@ -1,0 +1,106 @@
+"""A sandboxed run's identity cannot be borrowed: the proxy knows the run by the door key the runner's
+side of its door adds, which neither the run nor any other process of the host holds. While a real
+sandboxed run is open, a host process binds the address a door would have had (what the run's
+registration holds, when that is an address), 127.0.0.1 and another loopback address, and calls the
+proxy as the run would: without credentials, and with the run's registered door value as its key.
+It gets nothing of the run's (every call refused, nothing written), and the refusal is the same
+whatever address it came from.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import random
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from stepmill.runner import isolation as iso
+from stepmill.store import Store
+
+from .conftest import wait_until
+from .test_adversarial import MODEL, TASKS, black_box, run_rollout, start_stack, stop_stack
+
+HOST_PROCESS = r'''
+import http.client, json, socket, sys
+proxy_port, base, marker, door = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+addresses = json.loads(sys.argv[5])
+body = json.dumps({"model": sys.argv[6], "messages": [{"role": "user", "content": f"BORROWED-{marker}"}]})
+out = {}
+for address in addresses:
+    for keyed in (False, True):
+        conn = http.client.HTTPConnection("127.0.0.1", proxy_port, timeout=15, source_address=(address, 0))
+        headers = {"Content-Type": "application/json", **({"X-Stepmill-Door": door} if keyed else {})}
+        conn.request("POST", base + "/chat/completions", body=body, headers=headers)
+        response = conn.getresponse()
+        out[f"{address} {'keyed' if keyed else 'plain'}"] = {"status": response.status,
+                                                             "body": response.read().decode("utf-8", "replace")}
+        conn.close()
+print(json.dumps(out))
+'''
+
+
+def _other_loopback() -> str:
+    return f"127.{random.randint(1, 254)}.{random.randint(0, 255)}.{random.randint(1, 254)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_host_process_on_a_doors_address_gets_nothing_of_the_run(simulated_llm, tmp_path_factory):
+    if iso.bwrap_problem():
+        pytest.skip(iso.bwrap_problem())
+    stack = start_stack("sandbox", tmp_path_factory.mktemp("door-identity"), simulated_llm.url)
+    marker, finished = stack.marker, []
+    trajectory = f"borrow-{marker}-t01-0"
+    rollout = threading.Thread(target=lambda: finished.append(run_rollout(
+        stack, "borrow", agents=black_box("victim", "victim.py", '{ INSIDER_LINGER = "8", INSIDER_LINGER_ON = "t01" }'),
+        run_agents=["victim"], tasks=TASKS[:1], concurrency=1)), daemon=True)
+    try:
+        rollout.start()
+        store = Store(str(stack.db), readonly=True)
+        try:
+            registered = wait_until(lambda: store.query(
+                "SELECT door FROM run_credentials WHERE trajectory_id = ? AND revoked_at IS NULL", [trajectory]),
+                timeout=60, interval=0.2, what="the run's registration")
+        finally:
+            store.close()
+        door = registered[-1]["door"]
+        addresses = ["127.0.0.1", _other_loopback()]
+        try:
+            if ipaddress.ip_address(door).is_loopback:
+                addresses.insert(0, door)  # a door known by its address: the one a scanner finds
+        except ValueError:
+            pass
+        done = subprocess.run([sys.executable, "-c", HOST_PROCESS, str(stack.port), simulated_llm.url, marker, door,
+                               json.dumps(addresses), MODEL], capture_output=True, text=True, timeout=120, check=True)
+        got = json.loads(done.stdout)
+        rollout.join(200)
+    finally:
+        stop_stack(stack)
+    [ran] = finished
+    try:
+        for attempt, answer in got.items():
+            assert answer["status"] == 403, f"a host process was let through as the run ({attempt}): {answer}"
+        for keyed in ("plain", "keyed"):  # the same refusal whatever the address
+            bodies = {attempt: answer["body"] for attempt, answer in got.items() if attempt.endswith(keyed)}
+            assert len(set(bodies.values())) == 1, bodies
+        store = Store(str(stack.db))
+        try:
+            borrowed = [row for row in store.iter_steps() if f"BORROWED-{marker}" in json.dumps(row)]
+            own = store.query("SELECT count(*) AS n FROM steps WHERE trajectory_id = ?", [trajectory])[0]["n"]
+        finally:
+            store.close()
+        assert not borrowed, f"a host process wrote as the run: {borrowed[0]['trajectory_id']}"
+        assert own == 1  # the run's own honest call alone
+        assert ran.done.returncode == 0 and ran.trajectories[trajectory]["metadata"]["outcome"] == "ok", ran.done.stderr
+    finally:
+        for row in ran.trajectories.values():
+            workdir = row["metadata"].get("workdir")
+            if workdir and "stepmill-rollout-" in workdir:
+                shutil.rmtree(Path(workdir).parent.parent, ignore_errors=True)
+        shutil.rmtree(stack.base, ignore_errors=True)
