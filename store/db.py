@@ -6,6 +6,7 @@ given, as constructor arguments, the connection and the other parts it uses:
 - ``transactions`` (``connection.Transactions``): the connection, write transactions, batches,
   WAL checkpoints, and the LRU cache of what the parts read (``cache.LRU``)
 - ``state`` (``state.State``): named values (the policy version, journal positions)
+- ``entries`` (``entries.JournalEntries``): the journal entries committed, by identity (each exactly once)
 - ``blobs`` (``blobs.Blobs``): request parameters and headers, stored once by hash
 - ``history`` (``history.History``): conversations rebuilt from the deltas
 - ``token_ids`` (``token_ids.TokenIds``; history): token ids as deltas on the parent's, consistency, rebasing
@@ -43,6 +44,7 @@ from stepmill.store.connection import Transactions, open_database
 from stepmill.store.consumption import Consumption
 from stepmill.store.counts import Counts
 from stepmill.store.curation import Curation
+from stepmill.store.entries import JournalEntries
 from stepmill.store.export import Export
 from stepmill.store.history import History
 from stepmill.store.reviewers import Reviewers
@@ -90,6 +92,7 @@ class Store:
         cache = LRU(cache_size)
         self.transactions = tx = Transactions(self.db, path=self.path, readonly=readonly, cache=cache)
         self.state = State(tx)
+        self.entries = JournalEntries(tx)
         self.blobs = Blobs(tx)
         self.history = History(tx)
         self.token_ids = TokenIds(tx, self.history)
@@ -122,6 +125,11 @@ class Store:
     set_policy_version = forward("state", State.set_policy_version)
     policy_version_at = forward("state", State.policy_version_at)
     policy_versions_at = forward("state", State.policy_versions_at)
+
+    # -- journal entries committed --------------------------------------------------------------
+    journal_entry = forward("entries", JournalEntries.journal_entry)
+    committed_entries = forward("entries", JournalEntries.committed_entries)
+    forget_journal = forward("entries", JournalEntries.forget_journal)
 
     # -- trajectories and groups ----------------------------------------------------------------
     trajectory = forward("trajectories", Trajectories.trajectory)

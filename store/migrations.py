@@ -318,6 +318,12 @@ def _m016_search_later(db: sqlite_utils.Database) -> None:
                [SEARCH_MARK])  # the old triggers indexed every row there is
 
 
+def _m017_journal_entries(db: sqlite_utils.Database) -> None:
+    # Each journal entry the writers committed, by its identity (store/entries.py): the key makes a second
+    # commit of the same entry impossible, whatever a writer believes about its position.
+    db.execute("CREATE TABLE journal_entries (entry TEXT PRIMARY KEY) WITHOUT ROWID")
+
+
 MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("capture", _m001_capture),
     ("tokens", _m002_tokens),
@@ -335,6 +341,7 @@ MIGRATIONS: list[tuple[str, Callable[[sqlite_utils.Database], None]]] = [
     ("engine_api", _m014_engine_api),
     ("lean_indexes", _m015_lean_indexes),
     ("search_later", _m016_search_later),
+    ("journal_entries", _m017_journal_entries),
 ]
 
 

@@ -71,11 +71,25 @@ class Ingest:
         return recording.save_bare(self.store, record, blobs,
                                    f"stepmill could not read this call: {type(exc).__name__}: {exc}")
 
-    def unreadable_entry(self, problem: str) -> str:
-        """A journal entry that is no call record (nothing in it is trusted): an error step that says why."""
+    def unreadable_entry(self, problem: str, payload: bytes) -> str:
+        """A journal entry that is no call record (nothing in it is trusted): an error step that says why,
+        with the entry's raw bytes."""
         self.unreadable += 1
         log.warning(f"stepmill: could not read a journal entry ({problem}); kept as an error step")
-        return recording.save_unreadable_entry(self.store, f"stepmill could not read this journal entry: {problem}")
+        return recording.save_unreadable_entry(self.store, f"stepmill could not read this journal entry: {problem}",
+                                               payload)
+
+    def poison_entry(self, payload: bytes, exc: BaseException) -> str:
+        """An entry whose commit raised even alone in its transaction (``writer._commit_split``): one error
+        step that says why, kept as who made the call (where its header can be read) with its raw bodies."""
+        self.unreadable += 1
+        problem = f"stepmill could not store this call: {type(exc).__name__}: {str(exc)[:500]}"
+        log.warning(f"stepmill: {problem}; kept as an error step")
+        try:
+            record, blobs = CallRecord.from_entry(payload)
+        except Exception:
+            return recording.save_unreadable_entry(self.store, problem, payload)
+        return recording.save_bare(self.store, record, blobs, problem)
 
     # -- HTTP and SSE -----------------------------------------------------------------------
     @staticmethod

@@ -89,6 +89,12 @@ def journal_root(db_path: str | os.PathLike) -> Path:
 UNREADABLE_KEY = "calls_unreadable"  # in the store's state table: calls the writers kept as error steps, unread
 
 
+def entry_identity(journal_id: str, end: Position) -> str:
+    """An entry's identity, which the store keeps unique (store/entries.py): its journal and where it ends
+    there. Only that entry ever lies there, and a replay reads it there again, header readable or not."""
+    return f"{journal_id}:{end}"
+
+
 def state_key(journal_id: str) -> str:
     """Where a journal's committed position lives in the store's ``state`` table."""
     return f"journal:{journal_id}"
@@ -305,6 +311,7 @@ class Journal:
         if self.backlog(self.committed(store)):
             return False
         store.set_state(state_key(self.id), None)
+        store.forget_journal(self.id)  # none of its entries can be read again once it is removed
         self.remove()
         return True
 

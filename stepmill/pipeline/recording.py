@@ -183,7 +183,8 @@ def save_bare(store: Store, record: CallRecord, blobs: list[bytes], problem: str
     return "lost"
 
 
-def save_unreadable_entry(store: Store, problem: str) -> str:
-    """A journal entry that is no call record: an error step that says so (nothing of it is trusted)."""
+def save_unreadable_entry(store: Store, problem: str, payload: bytes) -> str:
+    """A journal entry that is no call record: an error step that says so, with the entry's raw bytes
+    (nothing of it is trusted, so they are kept as they came, redacted)."""
     return save_bare(store, CallRecord(kind="failure", call=Call(api="unknown", host="", path=""), started=time.time()),
-                     [], problem)
+                     [bytes(payload)], problem)

@@ -33,7 +33,7 @@ from stepmill.store import Store
 from stepmill.pipeline.call_record import CallRecord
 from stepmill.pipeline.handoff import COMMIT_WINDOW
 from stepmill.pipeline.ingest import Ingest
-from stepmill.pipeline.journal import UNREADABLE_KEY, Journal, Position, state_key
+from stepmill.pipeline.journal import UNREADABLE_KEY, Journal, Position, entry_identity, state_key
 
 log = logging.getLogger("stepmill")
 
@@ -43,6 +43,8 @@ CHECKPOINT_WAL_BYTES = 32 * 1024 * 1024  # the writer checkpoints after committi
 CHECKPOINT_IDLE = 5.0  # seconds without calls after which the WAL is checkpointed
 SEARCH_WAIT = 1.0  # seconds from a commit to its steps in the full-text index (store/search.py), while the file takes writes
 RETRY_WAIT = 0.5  # after a locked database or a full disk
+STUCK_WAIT = 30.0  # at most, between tries of an entry that cannot be committed even as an error step
+ORPHAN_GRACE = 5.0  # seconds a writer process commits on once its proxy is gone; then it exits, done or not
 FLUSH = b"f"  # on a writer process's stdin: commit now (a newline only wakes it)
 RESTART_WAIT = 5.0  # seconds from a writer process's start before one that died is started again
 
@@ -63,6 +65,7 @@ class Writer:
         self.committed = 0
         self.last_commit: float | None = None
         self.failing: str | None = None  # why the last batch did not commit (it is tried again)
+        self._stuck_waits = 0  # tries in a row that could not commit an entry even alone: each waits longer
         # A writer process tells the proxy why it is behind through this file (None: a thread, read directly).
         self.status_path: Path | None = None
         self._since_checkpoint = 0
@@ -113,8 +116,8 @@ class Writer:
             if self._unindexed_since is not None and not self.failing and (
                     stopping or time.monotonic() - self._unindexed_since >= SEARCH_WAIT):
                 self._index_search(store)  # under a steady stream of calls, once per SEARCH_WAIT
-            if stopping and not self.failing:
-                break
+            if stopping and (not self.failing or self._stuck_waits):
+                break  # an entry that cannot be committed stays in the journal for the next writer
         self._checkpoint(store, "TRUNCATE")
         store.close()
         self.journal.release()  # the segment kept open for reading
@@ -170,7 +173,7 @@ class Writer:
     def _timeout(self, dirty: bool) -> float | None:
         """How long to wait for calls before the next thing to do when none come."""
         if self.failing:
-            return RETRY_WAIT
+            return min(RETRY_WAIT * 2 ** self._stuck_waits, STUCK_WAIT)
         waits = []
         if self._unindexed_since is not None:
             waits.append(SEARCH_WAIT - (time.monotonic() - self._unindexed_since))
@@ -235,47 +238,86 @@ class Writer:
         """One batch; True if it stopped at BATCH_BYTES, so there may be more (a batch that took all
         there was needs no second, empty read). Never raises: what fails is logged, kept in ``failing``
         and tried again (the calls wait in the journal)."""
-        counted = ingest.unreadable
         try:
             if journal.id not in self._positions:
                 self._positions[journal.id] = journal.committed(store)
-            position = self._positions[journal.id]
-            entries = list(journal.read(position, BATCH_BYTES))
+            entries = list(journal.read(self._positions[journal.id], BATCH_BYTES))
             if not entries:
                 return False
-            # Parsing first, outside the transaction: the write lock is held only for the SQL.
-            writes = self._prepare(store, ingest, [payload for _, payload in entries])
-            with self.priority.raised(), store.batch():
-                for write in writes:
-                    write()
-                if ingest.unreadable > counted:  # kept with the steps, so every process and `stepmill stats` see it
-                    store.set_state(UNREADABLE_KEY, str(int(store.get_state(UNREADABLE_KEY) or 0)
-                                                        + ingest.unreadable - counted))
-                store.set_state(state_key(journal.id), str(entries[-1][0]))
-        except StoreUnavailable as exc:  # locked, full, read-only: the calls stay in the journal
-            ingest.unreadable = counted  # counted again when the batch is
-            if self.failing is None:
-                log.warning(f"stepmill: the database takes no writes now ({exc}); calls stay in the journal")
-            self._set_failing(str(exc))
-            return False
-        except Exception as exc:  # a bug, a journal that cannot be read: never the writer's silent end
-            ingest.unreadable = counted
-            if self.failing is None:
-                log.exception("stepmill: the writer failed; calls stay in the journal and it tries again")
-            self._set_failing(f"{type(exc).__name__}: {exc}")
+            self._commit_split(store, ingest, journal, entries)
+        except Exception as exc:
+            # Part of the batch may have committed before the failure: the position is read from the file
+            # again. Entries committed twice are impossible either way (their identities are taken).
+            self._positions.pop(journal.id, None)
+            self._note_failure(exc)
             return False
         if self.failing is not None:
             log.warning("stepmill: the database takes writes again")
             self._set_failing(None)
-        self._positions[journal.id] = entries[-1][0]
-        self.committed += len(entries)
-        self.last_commit = time.time()
-        journal.drop_before(entries[-1][0])
+            self._stuck_waits = 0
         size = sum(len(payload) for _, payload in entries)
         self._since_checkpoint += size
         if self._since_checkpoint > CHECKPOINT_WAL_BYTES:  # roughly what the WAL grew by
             self._checkpoint(store, "PASSIVE")
         return size >= BATCH_BYTES  # as Journal.read: it stops once this much is read
+
+    def _note_failure(self, exc: Exception) -> None:
+        """Say why nothing could be committed (logged once, kept in ``failing`` for health)."""
+        if isinstance(exc, StoreUnavailable):  # locked, full, read-only: the calls stay in the journal
+            if self.failing is None:
+                log.warning(f"stepmill: the database takes no writes now ({exc}); calls stay in the journal")
+            self._set_failing(str(exc))
+            return
+        # An entry that could not be committed even alone, as an error step: the writer cannot get past it.
+        if self.failing is None:
+            log.error("stepmill: the writer cannot make progress; calls stay in the journal and it tries again",
+                      exc_info=exc)
+        self._set_failing(f"the writer cannot make progress: {type(exc).__name__}: {str(exc)[:500]}")
+        self._stuck_waits += 1
+
+    def _commit_split(self, store: Store, ingest: Ingest, journal: Journal, entries: list) -> None:
+        """Commit ``entries``. A batch that fails for anything but the file taking no writes is halved, and
+        each half committed on its own, until the entry that fails stands alone: that one is committed as
+        one error step saying why (with its raw bytes), and the rest go on. StoreUnavailable, or an entry
+        that cannot be committed even as an error step, raises: the batch waits in the journal."""
+        try:
+            self._commit(store, ingest, journal, entries)
+        except StoreUnavailable:
+            raise
+        except Exception as exc:
+            if len(entries) == 1:
+                payload = entries[0][1]
+                self._commit(store, ingest, journal, entries, [functools.partial(ingest.poison_entry, payload, exc)])
+                return
+            half = len(entries) // 2
+            self._commit_split(store, ingest, journal, entries[:half])
+            self._commit_split(store, ingest, journal, entries[half:])
+
+    def _commit(self, store: Store, ingest: Ingest, journal: Journal, entries: list,
+                writes: list[Callable[[], str]] | None = None) -> None:
+        """One transaction: each entry's steps under its identity (one already committed writes nothing)
+        and the journal's position past the last entry. Parsing first, outside the transaction: the write
+        lock is held only for the SQL."""
+        counted = ingest.unreadable
+        try:
+            if writes is None:
+                writes = self._prepare(store, ingest, [payload for _, payload in entries])
+            with self.priority.raised(), store.batch():
+                for (end, _), write in zip(entries, writes):
+                    with store.journal_entry(entry_identity(journal.id, end)) as fresh:
+                        if fresh:
+                            write()
+                if ingest.unreadable > counted:  # kept with the steps, so every process and `stepmill stats` see it
+                    store.set_state(UNREADABLE_KEY, str(int(store.get_state(UNREADABLE_KEY) or 0)
+                                                        + ingest.unreadable - counted))
+                store.set_state(state_key(journal.id), str(entries[-1][0]))
+        except BaseException:
+            ingest.unreadable = counted  # counted again when the entries are
+            raise
+        self._positions[journal.id] = entries[-1][0]
+        self.committed += len(entries)
+        self.last_commit = time.time()
+        journal.drop_before(entries[-1][0])
 
     @staticmethod
     def _prepare(store: Store, ingest: Ingest, payloads: list[bytes]) -> list[Callable[[], str]]:
@@ -288,7 +330,7 @@ class Writer:
             try:
                 parsed.append(CallRecord.from_entry(payload))
             except Exception as exc:
-                parsed.append(functools.partial(ingest.unreadable_entry, f"{type(exc).__name__}: {exc}"))
+                parsed.append(functools.partial(ingest.unreadable_entry, f"{type(exc).__name__}: {exc}", payload))
         calls = [entry for entry in parsed if isinstance(entry, tuple)]
         for (record, _), version in zip(calls, store.policy_versions_at([record.started for record, _ in calls])):
             record.policy_version = version
@@ -331,7 +373,7 @@ class ProcessWriter:
 
     def __init__(self, db_path: str, journal: Journal, priority: str = "idle"):
         self.command = [sys.executable, "-m", "stepmill.pipeline.writer", "--db", db_path, "--journal",
-                        str(journal.folder), "--priority", priority]
+                        str(journal.folder), "--priority", priority, "--parent", str(os.getpid())]
         self.status_path = journal.status_path
         self.restarts = 0
         self._closing = False
@@ -443,10 +485,11 @@ class Priority:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
-def _serve_process(db_path: str, folder: Path, priority: str) -> None:
+def _serve_process(db_path: str, folder: Path, priority: str, parent: int) -> None:
     # The proxy says when to stop (end of stdin, also when it dies); a Ctrl-C reaching the whole
     # process group must not end the writer before it has committed what the proxy hands over last.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_end_with_parent, args=(parent,), name="stepmill-orphan-watch", daemon=True).start()
     chosen = Priority(priority)
     chosen.apply()
     writer = Writer(db_path, folder, chosen, stdin=sys.stdin.fileno())
@@ -454,16 +497,31 @@ def _serve_process(db_path: str, folder: Path, priority: str) -> None:
     writer.run()
 
 
+def _end_with_parent(parent: int) -> None:
+    """A writer process never outlives its proxy: once the parent is gone (killed, or its pipe kept
+    open by something else; ``parent`` is the pid the proxy gave, since it may be gone before this
+    process has even imported what it runs) the writer has ORPHAN_GRACE seconds to commit what it can, then it exits
+    whatever it is doing (a locked file, an entry it cannot get past). What it left in the journal is
+    replayed by the next writer of the file."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    time.sleep(ORPHAN_GRACE)
+    logging.getLogger("stepmill").warning("stepmill: the writer's proxy is gone; the writer exits, the journal "
+                                          "keeps what it did not commit")
+    os._exit(0)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="stepmill's writer: journal → SQLite")
     parser.add_argument("--db", required=True)
     parser.add_argument("--journal", required=True)
     parser.add_argument("--priority", choices=PRIORITIES, default="idle")
+    parser.add_argument("--parent", type=int, default=None, help="the proxy's pid (default: this process's parent)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     journal = Journal(Path(args.journal))
     journal.try_lock(shared=True)  # beside the proxy's own: the journal is no orphan while either lives
-    _serve_process(args.db, Path(args.journal), args.priority)
+    _serve_process(args.db, Path(args.journal), args.priority, args.parent or os.getppid())
 
 
 if __name__ == "__main__":
