@@ -52,7 +52,8 @@ class PipelineLifecycle:
     def _start(self) -> None:
         state = self.state
         pipeline = Pipeline(ctx.options.stepmill_db, writer=ctx.options.stepmill_writer,
-                            priority=ctx.options.stepmill_writer_priority)  # creates or migrates the file
+                            priority=ctx.options.stepmill_writer_priority,
+                            durability=ctx.options.stepmill_durability)  # creates or migrates the file
         state.runs = RunTable()
         try:
             pipeline.watch_runs(state.on_loop(state.runs.add))

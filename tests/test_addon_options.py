@@ -23,6 +23,7 @@ def run_in(folder: Path, command: list[str]) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("how", ["mitmdump", "stepmill proxy"])
 @pytest.mark.parametrize("option, value", [("stepmill_writer", "thred"), ("stepmill_writer_priority", "lowest"),
+                                           ("stepmill_durability", "fsync"),
                                            ("stepmill_max_body", "-1")])
 def test_a_bad_value_fails_before_anything_starts(tmp_path, how, option, value):
     confdir = tmp_path / "mitm"

@@ -137,3 +137,23 @@ def test_calls_that_end_close_together_are_journaled_in_one_pass(tmp_path, monke
     finally:
         handoff.close()
         journal.release()
+
+
+def test_call_durability_journals_each_call_without_gathering(tmp_path, monkeypatch):
+    """durability = "call": a call that ends right after a pass is journaled at once, not gathered with
+    the calls after it (however long the gather would be)."""
+    monkeypatch.setattr(handoff_module, "GATHER", 5.0)
+    db = str(tmp_path / "c.db")
+    Store(db).close()
+    journal = CountingJournal.create(db)
+    handoff = Handoff(journal, lambda: None, durability="call")
+    try:
+        for count, text in enumerate(("a", "b", "c"), start=1):
+            started = time.monotonic()
+            handoff.submit(*_call(text))
+            wait_until(lambda: handoff.appended == count, timeout=4, interval=0.01, what=f"call {text} journaled")
+            assert time.monotonic() - started < 1.0, "a call waited for a gather under durability = call"
+        assert journal.appends == 3
+    finally:
+        handoff.close()
+        journal.release()

@@ -20,7 +20,7 @@ from stepmill.auth.runs import RegisteredRun
 from stepmill.errors import ConfigError
 from stepmill.store import Store
 from stepmill.pipeline.call_record import CallRecord
-from stepmill.pipeline.handoff import Handoff
+from stepmill.pipeline.handoff import DURABILITY, Handoff
 from stepmill.pipeline.journal import UNREADABLE_KEY, Journal
 from stepmill.pipeline.state_watch import StateWatch
 from stepmill.pipeline.writer import PRIORITIES, ProcessWriter, ThreadWriter
@@ -30,7 +30,7 @@ log = logging.getLogger("stepmill")
 WRITERS = ("process", "thread")  # where steps are parsed and written: a process of its own, or a proxy thread
 POLL = 0.02  # seconds between looks while ``flushed`` waits
 
-__all__ = ["PRIORITIES", "WRITERS", "Pipeline"]
+__all__ = ["DURABILITY", "PRIORITIES", "WRITERS", "Pipeline"]
 
 
 class Pipeline:
@@ -40,18 +40,20 @@ class Pipeline:
     before anyone writes); the control API may share it, from one thread.
     """
 
-    def __init__(self, db_path: str, *, writer: str = "process", priority: str = "idle"):
+    def __init__(self, db_path: str, *, writer: str = "process", priority: str = "idle", durability: str = "gathered"):
         if writer not in WRITERS:
             raise ConfigError(f"a writer is one of {', '.join(WRITERS)}, not {writer!r}")
         if priority not in PRIORITIES:
             raise ConfigError(f"a writer priority is one of {', '.join(PRIORITIES)}, not {priority!r}")
+        if durability not in DURABILITY:
+            raise ConfigError(f"durability is one of {', '.join(DURABILITY)}, not {durability!r}")
         self.db_path = db_path
         self.writer_kind, self.priority = writer, priority
         self.store = Store(db_path)
         self.journal = Journal.create(db_path)
         self.writer = ThreadWriter(db_path, self.journal) if writer == "thread" else \
             ProcessWriter(db_path, self.journal, priority)
-        self.handoff = Handoff(self.journal, self.writer.notify)
+        self.handoff = Handoff(self.journal, self.writer.notify, durability=durability)
         self.watch: StateWatch | None = None  # from watch_runs
         self.submitted = 0  # calls handed over by the loop (changed on the loop only)
 
