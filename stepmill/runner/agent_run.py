@@ -76,6 +76,8 @@ class RunSite:
     processes: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     running: int = 0
+    doors_lock: threading.Lock = field(default_factory=threading.Lock)
+    made_doors: Doors | None = None
 
     @functools.cached_property
     def private(self) -> iso.Private:
@@ -91,9 +93,14 @@ class RunSite:
         """Its isolation mode's rules: what each run sees, how it is started, how it ends."""
         return iso.policy(self.mode, self.config.isolation, self.private)
 
-    @functools.cached_property
+    @property
     def doors(self) -> Doors:
-        return Doors()
+        """One door thread for every run: runs start on several threads at once, and a run's door
+        answers (what its engine said) are read where it was opened."""
+        with self.doors_lock:
+            if self.made_doors is None:
+                self.made_doors = Doors()
+            return self.made_doors
 
     def stop_all(self) -> None:
         """Runs not started yet never start; running ones are stopped, their trajectories stay open."""
