@@ -21,8 +21,34 @@ from stepmill.addon import engine
 from stepmill.addon.loop_state import Capture, hook_failed
 from stepmill.protocols.base import json_bytes
 from stepmill.protocols.openai_chat import CHAT_PROTOCOL
+from stepmill.protocols.streams import decode_kept
 
 ENGINE_AUTH_HEADERS = ("authorization", "x-api-key", "api-key")
+UNTOUCHED = "forwarded untouched"  # the start of the note on a request body the loop could not read
+
+
+def read_json(raw: bytes | None, encoding: str | None, limit: int | None):
+    """On the loop: (the JSON of a body as it came with its Content-Encoding, None), or (None, why it cannot
+    be read): bigger than ``limit`` (stepmill_max_body) as sent or once decoded, an encoding that does not
+    decode, not JSON (invalid UTF-8, a number of more digits than Python reads), nested too deep. An identity
+    body (the usual case) is parsed as it is: nothing is copied or scanned first."""
+    raw = raw or b""
+    if limit and len(raw) > limit:
+        return None, f"its {len(raw)} bytes are more than stepmill_max_body ({limit}) reads on the event loop"
+    if encoding:
+        raw, _, problem, cut = decode_kept(raw, encoding, None, limit or None)
+        if problem or cut:
+            return None, problem or f"it decodes ({encoding}) to more than stepmill_max_body ({limit}) bytes"
+    try:
+        return json.loads(raw), None
+    except (ValueError, RecursionError, MemoryError) as exc:
+        return None, _reason(exc)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "it is nested too deeply to parse"
+    return f"it is not JSON Python reads ({type(exc).__name__}: {exc})"
 
 
 class EngineIds:
@@ -99,20 +125,28 @@ class EngineIds:
         return context
 
     def _inject(self, flow: http.HTTPFlow, capture: Capture, kind: str | bool = True) -> None:
-        """Only requests to engines are parsed on the loop: the fields must be added before bytes move."""
+        """Only requests to engines are parsed on the loop: the fields must be added before bytes move. A body
+        the loop cannot read or write back goes as it came, and the step says so (the writer says what is wrong
+        with it)."""
         request = flow.request
-        try:
-            body = json.loads(request.get_content(strict=False) or b"")
-        except (ValueError, RecursionError):
-            return  # the writer records it as the malformed request it is
-        if not isinstance(body, dict):
+        body, why = read_json(request.raw_content, capture.record.request_encoding, ctx.options.stepmill_max_body)
+        if why is None and not isinstance(body, dict):
+            why = f"it is JSON but not an object ({type(body).__name__})"
+        if why is not None:
+            capture.record.notes.append(f"{UNTOUCHED} (no token ids asked for): {why}")
             return
         if capture.protocol.via_chat is not None:
             self._via_chat(flow, capture, body, kind)
             return
-        capture.added = engine.inject(body, capture.call.api, "sglang" if kind == "sglang" else "vllm")
-        if capture.added:
-            request.set_content(json_bytes(body))
+        added = engine.inject(body, capture.call.api, "sglang" if kind == "sglang" else "vllm")
+        if added:
+            try:
+                content = json_bytes(body)
+            except (ValueError, RecursionError) as exc:  # NaN is written back as it came; depth may not be
+                capture.record.notes.append(f"{UNTOUCHED} (no token ids asked for): {_reason(exc)}")
+                return
+            request.set_content(content)
+            capture.added = added
 
     @staticmethod
     def _via_chat(flow: http.HTTPFlow, capture: Capture, body: dict, kind: str | bool) -> None:
@@ -131,6 +165,7 @@ class EngineIds:
                 return
         try:
             translated = via.translate(body, request.path, "sglang" if kind == "sglang" else "vllm")
+            content = json_bytes(translated.chat)
         except Exception as exc:  # a request chat cannot carry, or a body of another shape: as it came, with why
             why = "its own endpoint gives no token ids" if via.ENGINE_ENDPOINT else \
                 "it has no endpoint for this protocol"
@@ -138,7 +173,7 @@ class EngineIds:
             return
         capture.record.render_with = None  # served through chat: exact ids
         request.path = translated.path
-        request.set_content(json_bytes(translated.chat))
+        request.set_content(content)
         capture.raw_request = request.raw_content or b""
         capture.call.engine_api, capture.call.path = CHAT_PROTOCOL.api, request.path
         capture.protocol = CHAT_PROTOCOL  # what is on the wire from here on
@@ -168,18 +203,24 @@ class EngineIds:
     def _strip_plain(response: http.Response, capture: Capture) -> None:
         """An engine's whole body: the fields only stepmill asked for are taken out before it moves."""
         try:
-            payload = json.loads(response.get_content(strict=False) or b"")
-            if isinstance(payload, dict) and engine.strip(payload, capture.added):
+            payload, why = read_json(response.raw_content, capture.record.response_encoding,
+                                     ctx.options.stepmill_max_body)
+            if why is not None:
+                capture.record.notes.append(f"could not remove the engine fields, the answer went as it came: {why}")
+            elif isinstance(payload, dict) and engine.strip(payload, capture.added):
                 response.set_content(json_bytes(payload))
         except Exception as exc:  # the agent gets the engine's body rather than none
-            capture.record.notes.append(f"could not remove the engine fields: {exc}")
+            capture.record.notes.append(f"could not remove the engine fields: {_reason(exc)}")
 
     @staticmethod
     def _translate_plain(response: http.Response, capture: Capture) -> None:
         """An engine's whole chat answer (or error) as the answer the agent asked for (Messages, Gemini)."""
         via = capture.via
         try:
-            payload = json.loads(response.get_content(strict=False) or b"")
+            payload, why = read_json(response.raw_content, capture.record.response_encoding,
+                                     ctx.options.stepmill_max_body)
+            if why is not None:
+                raise ValueError(why)
             translated = via.answer_of(payload, **capture.translated) \
                 if response.status_code < 400 else via.error_body(payload)
         except Exception as exc:

@@ -48,12 +48,14 @@ class StreamTap:
         self.ended = False
         self.decompress = None
         if rewrite is not None or translate is not None:
-            try:
-                self.decompress = decompressor(content_encoding)
+            try:  # bounded: a bomb of a few bytes never makes more than ``limit`` on the loop
+                self.decompress = decompressor(content_encoding, self.limit)
             except ValueError as exc:
                 self.notes.append(f"{exc}; engine fields were left in the stream")
                 self.rewrite = None  # undecodable bytes are passed on as they are, with their encoding
         self.decoding = True
+        self.decoded = 0  # bytes the decompressor made
+        self.reading = True  # False once an event passed the limit: decoded bytes then go on unread
 
     @property
     def rewriting(self) -> bool:
@@ -78,18 +80,48 @@ class StreamTap:
             self.notes.append(f"stream could not be decompressed: {exc}")
             self.decoding = False
             return []
+        self.decoded += len(data) if self.decompress else 0
+        if self.limit is not None and self.decoded > self.limit:
+            self.notes.append(f"the stream decodes ({self.content_encoding}) to more than stepmill_max_body "
+                              f"({self.limit} bytes): nothing past that was passed on")
+            self.decoding = False
+            return []
+        if not self.reading:
+            return [data] if data else []
         events = self.decoder.push(data) if chunk else self.decoder.flush()
+        if self.limit is not None and len(self.decoder.buffer) > self.limit:
+            return self._unread(events)
         if self.translate is not None:
-            try:
-                out = b"".join(self.translate(event) for event in events)
-                if not chunk and self.translate_end is not None:
-                    out += self.translate_end()
-            except Exception as exc:  # noted; the agent gets what translated so far, never a traceback
-                self.notes.append(f"could not translate a stream event: {exc}")
-                out = b""
+            out = self._translated(events, ended=not chunk)
         else:
             out = b"".join(self._rewrite(event) for event in events)
         return [out] if out else []
+
+    def _translated(self, events: list[Event], ended: bool) -> bytes:
+        try:
+            out = b"".join(self.translate(event) for event in events)
+            if ended and self.translate_end is not None:
+                out += self.translate_end()
+            return out
+        except Exception as exc:  # noted; the agent gets what translated so far, never a traceback
+            self.notes.append(f"could not translate a stream event: {exc}")
+            return b""
+
+    def _unread(self, events: list[Event]) -> list[bytes]:
+        """An event longer than the limit (one that may never end): the events before it as usual, then its
+        bytes and the rest of the stream passed on as they come, unread (a translated stream ends there)."""
+        self.reading = False
+        if self.translate is not None:
+            self.notes.append(f"a stream event passed stepmill_max_body ({self.limit} bytes) before it ended: "
+                              "the stream could not be translated further and ends there")
+            self.decoding = False
+            out = self._translated(events, ended=False)
+            return [out] if out else []
+        self.notes.append(f"a stream event passed stepmill_max_body ({self.limit} bytes) before it ended: it and "
+                          "the rest of the stream were passed on as they came, engine fields left in")
+        out = b"".join(self._rewrite(event) for event in events) + bytes(self.decoder.buffer)
+        self.decoder.buffer.clear()
+        return [out]
 
     def _rewrite(self, event: Event) -> bytes:
         """The bytes the agent gets for one event."""

@@ -151,6 +151,8 @@ class Upstream:
         self.requests: list[dict] = []  # bodies as received, for assertions on what reached upstream
         self._runner = None
         self._ready = threading.Event()
+        self.received: dict[str, str] = {}  # X-Test-Case -> sha256 of the raw body that reached the upstream
+        self._hostile_bodies: dict[str, bytes] = {}  # hostile answers, made once
 
     # lifecycle
     def start(self) -> "Upstream":
@@ -162,7 +164,7 @@ class Upstream:
     def _run(self):
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._hostile_middleware()])
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
@@ -622,6 +624,64 @@ class Upstream:
         events.append(("message_stop", {"type": "message_stop"}))
         return await self._stream(request, model, events)
 
+    # -- hostile answers (tests/test_hostile_bodies.py): see HOSTILE_ANSWERS -------------------------
+    def _hostile_middleware(self):
+        import hashlib
+
+        @web.middleware
+        async def hostile(request, handler):
+            case, answer = request.headers.get("X-Test-Case"), request.headers.get("X-Hostile-Answer")
+            if case is not None and not request.headers.get("Content-Encoding"):  # an encoded body: the engine's 400
+                self.received[case] = hashlib.sha256(await request.read()).hexdigest()
+            if answer is None:
+                return await handler(request)
+            return await getattr(self, "_hostile_" + answer.replace("-", "_"))(request)
+
+        return hostile
+
+    async def _hostile_flood(self, request):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        tiny = b'data: {"choices":[]}\n\n' * 10_000
+        for _ in range(FLOOD_EVENTS // 10_000):
+            await response.write(tiny)
+        await response.write(_sse_answer("flooded") + b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _hostile_huge_event(self, request):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        event = json.dumps({"id": "huge", "object": "chat.completion.chunk", "model": "hostile", "prompt_token_ids": [1],
+                            "choices": [{"index": 0, "delta": {"role": "assistant", "content": "y" * HUGE_EVENT},
+                                         "token_ids": [121], "finish_reason": None}]}).encode()
+        for start in range(0, len(event), 1 << 20):
+            await response.write((b"data: " if start == 0 else b"") + event[start:start + (1 << 20)])
+        await response.write(b"\n\n" + _sse_answer("") + b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _hostile_bomb(self, request, encoding: str):
+        if encoding not in self._hostile_bodies:
+            self._hostile_bodies[encoding] = await asyncio.to_thread(bomb, encoding)
+        return web.Response(body=self._hostile_bodies[encoding],
+                            headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+
+    async def _hostile_bomb_gzip(self, request):
+        return await self._hostile_bomb(request, "gzip")
+
+    async def _hostile_bomb_br(self, request):
+        return await self._hostile_bomb(request, "br")
+
+    async def _hostile_wrong_length(self, request):
+        """Says 100000 bytes, sends 20, hangs up."""
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = 100_000
+        await response.prepare(request)
+        await response.write(b'{"id": "short", "cho')
+        request.transport.close()
+        return response
+
 
 def gemini_chunks(body: dict, model: str) -> list[dict]:
     """Google's Gemini API, as its servers stream it: each chunk a whole GenerateContentResponse of the parts
@@ -660,3 +720,42 @@ def gemini_chunks(body: dict, model: str) -> list[dict]:
             "promptTokenCount": 30, "candidatesTokenCount": 2 * (i + 1), "totalTokenCount": 30 + 2 * (i + 1),
             "thoughtsTokenCount": 4 if thinking else None}, "modelVersion": model, "responseId": response_id})
     return chunks
+
+
+# -- hostile answers (tests/test_hostile_bodies.py) -----------------------------------------------------
+# A request with ``X-Test-Case: NAME`` has the sha256 of its raw body kept in ``Upstream.received[NAME]``
+# (what reached the engine, byte for byte); one with ``X-Hostile-Answer: KIND`` gets an answer no honest
+# engine gives, whatever its body: KIND is one of HOSTILE_ANSWERS.
+FLOOD_EVENTS = 1_000_000  # "flood": this many tiny events, then an answer and [DONE]
+HUGE_EVENT = 50 * 1024 * 1024  # "huge-event": one event of this many bytes of content (with token ids)
+BOMB = 256 * 1024 * 1024  # "bomb-gzip" / "bomb-br": a JSON answer that decodes to this many bytes
+HOSTILE_ANSWERS = ("flood", "huge-event", "bomb-gzip", "bomb-br", "wrong-length")
+
+
+BOMB_ANSWER = json.dumps({"id": "bomb", "object": "chat.completion", "model": "hostile", "choices": [
+    {"index": 0, "message": {"role": "assistant", "content": "@"}, "finish_reason": "stop"}]}).encode()
+
+
+def bomb(encoding: str, template: bytes = BOMB_ANSWER, size: int = BOMB) -> bytes:
+    """``template`` with its ``@`` replaced by ``size`` zeros, compressed (``gzip`` or ``br``): under 300 KB."""
+    import zlib
+
+    import brotli
+
+    before, after = template.split(b"@")
+    if encoding == "gzip":
+        z = zlib.compressobj(1, zlib.DEFLATED, 31)
+        step, finish = z.compress, z.flush
+    else:
+        b = brotli.Compressor(quality=5)
+        step, finish = b.process, b.finish
+    zeros, parts = b"0" * (1 << 20), [step(before)]
+    parts += [step(zeros) for _ in range(size >> 20)]
+    return b"".join(parts + [step(after), finish()])
+
+
+def _sse_answer(text: str) -> bytes:
+    """The last events of an honest chat stream: ``text`` and the finish."""
+    chunk = {"id": "h", "object": "chat.completion.chunk", "model": "hostile",
+             "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": "stop"}]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"

@@ -62,6 +62,8 @@ def canonical_messages(system: Any, messages: list) -> list[dict]:
             continue
         rest = []
         for block in content:
+            if not isinstance(block, dict):
+                raise ProtocolError(f"a content block must be an object, not {type(block).__name__}")
             if block.get("type") == "tool_result":
                 tool = {"role": "tool", "tool_call_id": block.get("tool_use_id"),
                         "content": _tool_result_text(block.get("content"))}

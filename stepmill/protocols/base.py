@@ -77,17 +77,24 @@ def canonical_content(content: Any) -> Any:
             elif isinstance(part, dict):
                 kind = part.get("type")
                 if kind in ("text", "input_text", "output_text") or (kind is None and "text" in part):
-                    parts.append({"type": "text", "text": part.get("text") or ""})
+                    parts.append({"type": "text", "text": _text_of_part(part, "text")})
                 elif kind in ("image_url", "input_image", "image"):
                     parts.append({"type": "image", "image": part.get("image_url") or part.get("source") or part})
                 elif kind == "refusal":
-                    parts.append({"type": "text", "text": part.get("refusal") or ""})
+                    parts.append({"type": "text", "text": _text_of_part(part, "refusal")})
                 else:
                     parts.append(part)
         if all(p.get("type") == "text" for p in parts):
             return "".join(p["text"] for p in parts)
         return parts
     return str(content)
+
+
+def _text_of_part(part: dict, key: str) -> str:
+    text = part.get(key) or ""
+    if not isinstance(text, str):
+        raise ProtocolError(f"a {key} part's {key} is {type(text).__name__}, not a string")
+    return text
 
 
 def tool_call(call_id: Any, name: Any, arguments: Any) -> dict:

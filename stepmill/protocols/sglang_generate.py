@@ -21,7 +21,10 @@ API = "sglang.generate"
 def parse_request(body: dict, api: str = API) -> ParsedRequest:
     if "text" not in body and "input_ids" not in body:
         raise ProtocolError("generate request has neither 'text' nor 'input_ids'")
-    if isinstance(body.get("text"), list) or (body.get("input_ids") and isinstance(body["input_ids"][0], list)):
+    ids = body.get("input_ids")
+    if ids is not None and not isinstance(ids, list):
+        raise ProtocolError(f"'input_ids' must be a list of token ids, not {type(ids).__name__}")
+    if isinstance(body.get("text"), list) or (ids and isinstance(ids[0], list)):
         raise ProtocolError("batched generate requests are not recorded (one prompt per call)")
     params = {k: v for k, v in body.items() if k not in ("text", "input_ids")}
     prompt = body.get("text")

@@ -17,19 +17,43 @@ from stepmill.protocols.base import Completion
 from stepmill.protocols.sse import Event, events_of
 
 
-def decompressor(encoding: str | None) -> Callable[[bytes], bytes] | None:
-    """A streaming decoder for a Content-Encoding; None for identity. ValueError if unknown."""
-    encoding = (encoding or "").strip().lower()
+def decompressor(encoding: str | None, limit: int | None = None) -> Callable[[bytes], bytes] | None:
+    """A streaming decoder for a Content-Encoding; None for identity. ValueError if unknown.
+
+    With ``limit`` it makes at most about ``limit + 1`` bytes in all, however small its input (a brotli bomb
+    of a few hundred bytes stands for terabytes): a caller that has more than ``limit`` knows the body decodes
+    past it, and nothing past that is ever made."""
+    backend = _backend((encoding or "").strip().lower())
+    if backend is None or limit is None:
+        return backend
+    made = 0
+
+    def bounded(data: bytes) -> bytes:
+        nonlocal made
+        if made > limit:
+            return b""
+        out = backend(data, limit + 1 - made)
+        made += len(out)
+        return out
+
+    return bounded
+
+
+def _backend(encoding: str) -> Callable[..., bytes] | None:
+    """``decompress(data, max_length=None)``: at most ``max_length`` bytes of output when it is given."""
     if encoding in ("", "identity"):
         return None
     if encoding in ("gzip", "x-gzip"):
-        return zlib.decompressobj(47).decompress  # 32 + 15: gzip or zlib header, detected
+        gzip = zlib.decompressobj(47)  # 32 + 15: gzip or zlib header, detected
+        return lambda data, max_length=None: gzip.decompress(data, max_length or 0)
     if encoding == "deflate":
         return _Deflate().decompress
     if encoding == "br":
         import brotli  # a mitmproxy dependency
 
-        return brotli.Decompressor().process
+        br = brotli.Decompressor()
+        return lambda data, max_length=None: br.process(data) if max_length is None else \
+            br.process(data, output_buffer_limit=max_length)
     if encoding == "zstd":
         return _ZstdFrames().decompress
     raise ValueError(f"unsupported content-encoding {encoding!r}")
@@ -42,7 +66,7 @@ class _Deflate:
         self.current = None
         self.head = b""
 
-    def decompress(self, data: bytes) -> bytes:
+    def decompress(self, data: bytes, max_length: int | None = None) -> bytes:
         if self.current is None:
             self.head += data
             if len(self.head) < 2:
@@ -50,10 +74,7 @@ class _Deflate:
             zlib_header = self.head[0] & 0x0F == 8 and (self.head[0] << 8 | self.head[1]) % 31 == 0
             self.current = zlib.decompressobj(47 if zlib_header or self.head[:2] == b"\x1f\x8b" else -15)
             data, self.head = self.head, b""
-        return self.current.decompress(data)
-
-
-DECODE_SLICE = 1 << 16  # compressed bytes decoded at a time: a small input cannot expand unbounded past a limit
+        return self.current.decompress(data, max_length or 0)
 
 
 def decode_kept(raw: bytes, content_encoding: str | None, marks: list | None = None,
@@ -61,9 +82,9 @@ def decode_kept(raw: bytes, content_encoding: str | None, marks: list | None = N
     """Off the loop: a kept body decoded, chunk by chunk as it arrived (``marks``: (end offset, time) per
     chunk; their offsets become the decoded ones). Returns (data, marks, problem, cut): on a problem, only
     what decoded before it (undecoded bytes cannot be redacted, so they are never kept); ``cut`` when the
-    decoded body passed ``limit`` and was cut there."""
+    decoded body passed ``limit`` and was cut there (nothing much past it is ever decoded)."""
     try:
-        decompress = decompressor(content_encoding)
+        decompress = decompressor(content_encoding, limit or None)
     except ValueError as exc:
         return b"", [], f"body could not be decoded: {exc}", False
     if decompress is None:
@@ -71,20 +92,24 @@ def decode_kept(raw: bytes, content_encoding: str | None, marks: list | None = N
     out, kept_marks, start = bytearray(), [], 0
     try:
         for end, at in (list(marks) if marks else [(len(raw), None)]):
-            for piece in range(start, end, DECODE_SLICE):
-                out += decompress(raw[piece:min(end, piece + DECODE_SLICE)])
-                if limit and len(out) > limit:
-                    del out[limit:]
-                    kept_marks.append((limit, at))
-                    return bytes(out), kept_marks, None, True
+            out += decompress(raw[start:end])
+            if limit and len(out) > limit:
+                return _cut(out, limit, kept_marks, at)
             kept_marks.append((len(out), at))
             start = end
-        if start < len(raw):
+        if start < len(raw):  # bytes past the last mark: decoded, with no mark of their own
             out += decompress(raw[start:])
+            if limit and len(out) > limit:
+                return _cut(out, limit, kept_marks, None)
     except Exception as exc:
         return bytes(out[:limit] if limit else out), kept_marks, \
             f"body could not be decoded ({content_encoding}): {exc}", False
     return bytes(out), kept_marks, None, False
+
+
+def _cut(out: bytearray, limit: int, kept_marks: list, at) -> tuple[bytes, list, None, bool]:
+    kept_marks.append((limit, at))
+    return bytes(out[:limit]), kept_marks, None, True
 
 
 class _ZstdFrames:
@@ -98,10 +123,15 @@ class _ZstdFrames:
         self.zstd = zstd
         self.current = zstd.ZstdDecompressor()
 
-    def decompress(self, data: bytes) -> bytes:
-        out = []
+    def decompress(self, data: bytes, max_length: int | None = None) -> bytes:
+        out, left = [], max_length
         while data:
-            out.append(self.current.decompress(data))
+            piece = self.current.decompress(data, -1 if left is None else left)
+            out.append(piece)
+            if left is not None:
+                left -= len(piece)
+                if left <= 0:
+                    break  # the rest stays in the decoder: the caller wants no more
             if not self.current.eof:
                 break
             data = self.current.unused_data
