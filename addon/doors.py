@@ -15,13 +15,15 @@
   ended, nothing; never raw TCP or UDP after a CONNECT.
 
 It comes before the control endpoint and the capture, so what it refuses never reaches them (no
-step, no engine probe).
+step of the run's, no engine probe). An LLM-shaped call a door refused for where it went is kept
+once, as an error step on the ``refused`` channel that names the run and the reason.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import time
 
 from mitmproxy import ctx, http, tcp, udp
 from mitmproxy.proxy import mode_specs, server_hooks
@@ -31,11 +33,14 @@ from stepmill.addon.loop_state import LoopState, hook_failed
 from stepmill.auth.admin_routes import is_admin_route
 from stepmill.auth.runs import DOOR_HEADER, RegisteredRun, destination
 from stepmill.auth.write_token import ensure_token
+from stepmill.pipeline.call_record import Call, CallRecord
+from stepmill.protocols import match
 from stepmill.protocols.base import json_bytes
 
 log = logging.getLogger("stepmill")
 TOKEN_HEADER = "X-Stepmill-Token"
 UNKNOWN_DOOR = "no run's door holds the key this connection carried"
+REFUSED_CHANNEL = "refused"  # where LLM-shaped calls a door refused are kept: never a run's, never trained on
 
 
 class Doors:
@@ -76,12 +81,17 @@ class Doors:
             if run.revoked:
                 return self._refuse(flow, f"run {run.trajectory_id!r} has ended: its credentials were revoked")
             if not self._is_control(flow) and not self._reaches(run, flow.request.host, flow.request.port):
-                self._refuse(flow, self._elsewhere(run, flow.request))
+                reason = self._elsewhere(run, flow.request)
+                self._refuse(flow, reason)
+                flow.metadata["stepmill_refused"] = reason  # kept once its body is read (``request``)
         except Exception:
             hook_failed("requestheaders")
 
     def request(self, flow: http.HTTPFlow):
         try:
+            refused = flow.metadata.pop("stepmill_refused", None)
+            if refused is not None:
+                return self._keep_refused(flow, refused)
             if flow.response is not None:
                 return
             request = flow.request
@@ -122,8 +132,8 @@ class Doors:
         if run is None or data.server.address is None:
             return
         if not self._reaches(run, *data.server.address):
-            data.server.error = (f"stepmill refused this connection: run {run.trajectory_id!r} reaches only the "
-                                 f"hosts of its route and [isolation] allow_hosts")
+            data.server.error = (f"stepmill refused this connection: run {run.trajectory_id!r} reaches only its "
+                                 f"LLM through the proxy (the hosts of its route and [isolation] allow_hosts)")
             log.warning(f"stepmill: refused a connection of run {run.trajectory_id!r} to {data.server.address}")
 
     def tcp_start(self, flow: tcp.TCPFlow):
@@ -138,6 +148,25 @@ class Doors:
             log.warning(f"stepmill: refused a raw {type(flow).__name__} from a run's door to {flow.server_conn.address}")
             flow.kill()
 
+    def _keep_refused(self, flow: http.HTTPFlow, reason: str) -> None:
+        """An LLM-shaped call (an LLM path, POST or a WebSocket upgrade) refused for where it went: one
+        error step with its bytes and the reason, on the refused channel (nothing else is kept)."""
+        request = flow.request
+        tagged = tagging.split_tag_path(request.path)
+        path = (tagged[1] if tagged else request.path).split("?", 1)[0]
+        protocol = match(path)
+        upgrade = request.method == "GET" and request.headers.get("upgrade", "").lower() == "websocket"
+        if protocol is None or not (request.method == "POST" or upgrade):
+            return
+        call = Call(api=protocol.api, host=request.host, path=path, tags=tagging.Tags(channel=REFUSED_CHANNEL),
+                    client_conn=flow.client_conn.id, default_channel=REFUSED_CHANNEL)
+        record = CallRecord(kind="failure", call=call, started=request.timestamp_start or time.time(),
+                            ended=time.time(), error=f"stepmill refused this call: {reason}", http_status=403,
+                            request_encoding=request.headers.get("content-encoding"), keep_raw=True,
+                            max_body=ctx.options.stepmill_max_body)
+        self.state.began(None)  # handed off at once: settled there
+        self.state.hand_off(record, [request.raw_content or b"", flow.response.content or b""])
+
     # -- the check itself -----------------------------------------------------------------------------
     @staticmethod
     def _reaches(run: RegisteredRun, host: str, port: int) -> bool:
@@ -146,8 +175,8 @@ class Doors:
     @staticmethod
     def _elsewhere(run: RegisteredRun, request: http.Request) -> str:
         target = f"{request.host}:{request.port}"
-        return (f"run {run.trajectory_id!r} reaches only the hosts of its route and [isolation] allow_hosts "
-                f"through the proxy, not {request.method} {target}")
+        return (f"run {run.trajectory_id!r} reaches only its LLM through the proxy (the hosts of its route and "
+                f"[isolation] allow_hosts), not {request.method} {target}")
 
     @staticmethod
     def _is_control(flow: http.HTTPFlow) -> bool:

@@ -144,7 +144,7 @@ def _refused_http(got: dict, what: str) -> None:
     value = _refused(got, what)
     assert value["status"] == 403, f"{what}: not refused: {value}"
     error = value["body"]["error"]
-    assert error["type"] == "stepmill_refused" and "reaches only the hosts of its route" in error["message"], value
+    assert error["type"] == "stepmill_refused" and "reaches only its LLM through the proxy" in error["message"], value
 
 
 @pytest.mark.slow
@@ -158,13 +158,20 @@ def test_a_run_reaches_no_host_but_its_llms_and_allow_hosts_by_any_method(reache
             _refused_http(attempts[f"{kind}:{name}"], f"{kind} to {name} ({targets[name]})")
     for name, listener in listeners.items():  # nothing was connected there: no call, no engine probe
         assert listener.connections() == 0, f"the {name} listener got {listener.connections()} connection(s)"
+    run = f"{rollout.dataset}-t01-0"
     store = Store(str(stack.db))
     try:
-        stored = [row for row in store.iter_steps() if f"DOOR-REACH-{stack.marker}" in json.dumps(row)]
+        stored = store.query("SELECT trajectory_id, channel, error, host, path FROM steps WHERE CAST(raw_request AS"
+                             " TEXT) LIKE ? OR messages_suffix LIKE ?", [f"%DOOR-REACH-{stack.marker}%"] * 2)
+        own = store.query("SELECT count(*) AS n FROM steps WHERE trajectory_id = ?", [run])[0]["n"]
     finally:
         store.close()
-    assert not stored, f"a refused call was stored as the run's step: {stored[:1]}"
-    assert "came through the door" not in stack.proxy_log  # the run's own calls were its own
+    assert own == 1, f"the run has {own} steps: its honest call alone was its own"
+    for step in stored:  # kept as refused, with the reason: never the run's step
+        assert step["trajectory_id"] != run and step["channel"] == "refused", f"stored as the run's: {step}"
+        assert "reaches only its LLM through the proxy" in step["error"] and repr(run) in step["error"], step["error"]
+    posted = sorted(f"{step['error']} {step['path']}" for step in stored)  # the error names host and port
+    assert len(posted) == len(set(posted)) and len(posted) >= len(targets), posted  # each refused POST once
 
 
 @pytest.mark.slow

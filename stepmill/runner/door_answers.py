@@ -113,7 +113,8 @@ def _spans_of(payloads: list) -> list[tuple[tuple, list]]:
             if isinstance(choice.get("token_ids"), list):
                 ids.setdefault(index, []).extend(choice["token_ids"])
             if isinstance(choice.get("weight_versions"), list):
-                spans[index] = [span for span in choice["weight_versions"] if isinstance(span, dict)]
+                spans[index] = [span for span in choice["weight_versions"]
+                                if isinstance(span, dict) and {"version", "start", "end"} <= span.keys()]
     found = []
     for index, given in spans.items():
         if given and index in ids and all(isinstance(token, int) for token in ids[index]):
