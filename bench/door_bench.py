@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -25,7 +26,10 @@ from stepmill.auth.write_token import ensure_token
 from stepmill.children import free_port
 from stepmill.client import StepmillClient
 from stepmill.runner import isolation as iso
+from stepmill.runner.isolation.sandbox import sandbox_command
 from stepmill.runner.door import Doors, Way, new_key
+
+RUN_UID = 62999  # the uid the sandboxed client runs as when the bench runs as root
 
 CLIENT = r'''
 import base64, http.client, json, sys, time
@@ -81,12 +85,19 @@ def main() -> None:
         run_dir = work / "run"
         (run_dir / "work").mkdir(parents=True)
         door, folder = doors.open("bench", door_key, [Way(port, "127.0.0.1", port)])
+        uid = RUN_UID if os.geteuid() == 0 else None  # a root runner's run becomes another uid, as in a rollout
+        if uid is not None:
+            for path in (run_dir, run_dir / "work", folder):
+                os.chown(path, uid, uid)
         outside = [sys.executable, "-I", "-c", CLIENT, "127.0.0.1", str(port), str(args.calls), auth, target]
-        inside = iso.sandbox_command(outside, run_dir=run_dir, private=iso.Private([], []), door=door, needs=[folder])
+        inside = sandbox_command(outside, run_dir=run_dir, private=iso.Private([], []), door=door, needs=[folder],
+                                 uid=uid)
         times: dict[str, list[float]] = {"host loopback": [], "sandbox door": []}
         for _ in range(args.rounds):
             for name, command in (("host loopback", outside), ("sandbox door", inside)):
-                done = subprocess.run(command, capture_output=True, text=True, check=True)
+                done = subprocess.run(command, capture_output=True, text=True, check=False)
+                if done.returncode != 0:
+                    raise SystemExit(f"the {name} client failed ({done.returncode}): {done.stderr[-2000:]}")
                 times[name] += json.loads(done.stdout.strip().splitlines()[-1])[10:]  # a warm connection
         print(f"{args.rounds} rounds x {args.calls} sequential calls, plain http, keep-alive, "
               f"stepmill proxy (1 worker) -> lean upstream\n")
