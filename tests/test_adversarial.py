@@ -13,7 +13,6 @@ the folders around them). The runner has STEPMILL_TOKEN in its environment.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -102,7 +101,7 @@ class Stack:
 
 
 def start_stack(mode: str, logs: Path, sim_url: str, data_mb: int | None = None) -> Stack:
-    """``data_mb``: the database (and the runs' folders, through TMPDIR) on a tmpfs of that size."""
+    """``data_mb``: the database (and the runs' folders, beside it) on a tmpfs of that size."""
     marker = f"{mode[:3]}{os.urandom(4).hex()}"
     base = Path(tempfile.mkdtemp(prefix="stepmill-adversarial-", dir="/var/tmp"))
     for folder in (base, base / "home", base / "data", base / "cfg"):
@@ -190,7 +189,8 @@ class Rollout:
 
 
 def run_rollout(stack: Stack, name: str, *, agents: str, run_agents: list[str], tasks: list[dict],
-                concurrency: int, timeout: int = 120, route: str = "", isolation_extra: str = "") -> Rollout:
+                concurrency: int, timeout: int = 120, route: str = "", isolation_extra: str = "",
+                run_extra: str = "") -> Rollout:
     dataset = f"{name}-{stack.marker}"
     cfg = stack.base / "cfg"
     marker = stack.marker
@@ -225,6 +225,7 @@ concurrency = {concurrency}
 timeout = {timeout}
 model = "{MODEL}"
 policy_version = "pv-{marker}"
+{run_extra}
 
 [[reward]]
 name = "math-{marker}"
@@ -400,8 +401,8 @@ def test_every_attacker_and_victim_runs_to_the_end_isolated(attacked, mode):
             assert FIRST_UID <= report["uid"] < FIRST_UID + 2
     attacker = rollout.report(rollout.tid("t01", "attacker"))
     assert attacker["home"] == str(Path(attacker["cwd"]).parent / "home")  # a home of its own, in its run folder
-    if mode == "sandbox":
-        assert uids == {0}  # root in the sandbox, with no capabilities (see below)
+    if mode == "sandbox":  # never root on the host: a root runner's runs are their slots' uids
+        assert uids and 0 not in uids, uids
 
 
 # -- the write token ---------------------------------------------------------------------------------------
@@ -461,8 +462,10 @@ def test_the_database_can_be_neither_read_nor_written(attacked, mode):
         _hidden_or_private(attempts[f"stat:{name}"], mode)
     assert _error(attempts["db_select"]) == "OperationalError"
     assert _error(attempts["db_write_human_reward"]) == "OperationalError"
-    if mode == "sandbox":
-        assert _error(attempts["db_folder_listing"]) == "FileNotFoundError"  # not there at all
+    if mode == "sandbox":  # not there, or only as the way to the runs' folders beside it (nothing else in it)
+        listing = attempts["db_folder_listing"]
+        assert (not listing["ok"] and listing["error"] == "FileNotFoundError") or listing["value"] == [
+            f"{stack.db.name}.runs"], listing
     else:
         assert {p.name for p in stack.db.parent.iterdir() if p.name.startswith("steps.db")} >= {"steps.db"}
         for path in stack.db.parent.iterdir():
@@ -679,7 +682,8 @@ def test_no_capability_no_unmount_no_write_outside_the_run(attacked, mode):
     assert _error(attempts["token_after_unmount"]) == ("FileNotFoundError" if mode == "sandbox" else "PermissionError")
     write = attempts["write_beside_db"]
     _error(write)
-    assert write["errno"] == (2 if mode == "sandbox" else 13), write  # ENOENT (not there at all) / EACCES
+    # sandbox: ENOENT (not there at all), or EACCES (the bare way to its own folder, not its to write)
+    assert write["errno"] in ((2, 13) if mode == "sandbox" else (13,)), write
     assert not (stack.base / f"evil-{stack.marker}").exists()
 
 
@@ -912,8 +916,14 @@ def test_a_sandboxed_run_sees_no_home_no_var_no_secrets_of_the_runners_user(hand
     checkout = listed[str(TESTS.parent)]
     assert checkout["ok"] and not {"README.md", "pyproject.toml", ".git", "bench", "Makefile"} & set(checkout["value"]), checkout
     assert set(listed[str(TESTS)]["value"]) <= {"adversary"}, listed[str(TESTS)]
+    # Not there, or (the runs' folders beside the database, under /var/tmp here) only the bare way to its
+    # own run folder: nothing else in it.
+    own = Path(rollout.trajectories[f"{rollout.dataset}-t01-0"]["metadata"]["workdir"])
     for folder in ("/var", "/srv", "/opt", "/mnt", "/media", str(stack.home)):
-        assert listed[folder]["error"] == "FileNotFoundError", (folder, listed[folder])
+        got = listed[folder]
+        way = [p for p in own.parents if p.parent == Path(folder)]
+        assert (not got["ok"] and got["error"] == "FileNotFoundError") or got["value"] == [w.name for w in way], (
+            folder, got)
     for folder in ("/home", "/root"):  # at most the way to the interpreter and code runs use
         assert not listed[folder]["ok"] or not any("stepmill-planted" in entry or entry.startswith(".")
                                                    and entry not in (".pyenv",) for entry in listed[folder]["value"]), listed
@@ -1009,15 +1019,9 @@ def hogged(simulated_llm, tmp_path_factory):
             pytest.skip(f"a small tmpfs cannot be mounted here: {mounted.stderr.strip()}")
         env = ('{ INSIDER_HOG_t01 = "fork", INSIDER_HOG_t02 = "memory", INSIDER_HOG_t03 = "flood", '
                'INSIDER_FORKS = "5000", INSIDER_MEGABYTES = "1024", INSIDER_FLOOD_MB = "64" }')
-        original_env = stack.env
-
-        def env_with_tmpdir(**extra):  # the runs' root on the small tmpfs
-            return original_env(TMPDIR=str(small), **extra)
-
-        stack.env = env_with_tmpdir
-        try:
+        try:  # the runs' root on the small tmpfs
             rollout = run_rollout(stack, "hog", agents=black_box("hog", "hog.py", env), run_agents=["hog"],
-                                  tasks=HOG_TASKS, concurrency=4, timeout=90,
+                                  tasks=HOG_TASKS, concurrency=4, timeout=90, run_extra=f'runs_dir = "{small}"',
                                   route="", isolation_extra="limits = { pids = 200, memory_mb = 256, log_kb = 64 }")
             # The flood's megabytes went through a 16 MiB tmpfs: say so in the test's terms.
             rollout.logs = {t: Path(r["metadata"]["workdir"], "agent.log").read_text(errors="replace")
@@ -1090,7 +1094,6 @@ def test_a_run_that_fills_the_disk_fails_alone_and_the_same_command_finishes_onc
         pytest.skip(iso.bwrap_problem())
     stack = start_stack("sandbox", tmp_path, simulated_llm.url, data_mb=48)
     data = stack.base / "data"
-    stack.env = functools.partial(stack.env, TMPDIR=str(data))  # the runs' root on the same disk
     tasks = HOG_TASKS[:2]
     agents = black_box("hog", "hog.py", '{ INSIDER_HOG_t02 = "fill" }')
     try:

@@ -4,6 +4,7 @@ with its placeholders filled; user mode refuses a dataset other users can read."
 
 import json
 import sys
+from pathlib import Path
 
 from .test_rollout import _config, _rollout
 
@@ -41,6 +42,7 @@ def test_container_mode_runs_the_prefix_with_its_placeholders(proxy, marker, tmp
     assert metadata["isolation"] == "container" and seen["workdir"] == metadata["workdir"]
     assert seen["env"]["HTTPS_PROXY"].startswith(f"http://arith-{marker}-t0-0:")  # its credentials, its secret
     assert "STEPMILL_TOKEN" not in seen["env"]
+    assert not Path(seen["env_file"]).exists()  # the run's variables stay nowhere once it ended
     assert len(proxy.steps("s.trajectory_id LIKE ?", [f"arith-{marker}-%"], count=12)) == 12
 
 
@@ -53,14 +55,30 @@ def test_user_mode_refuses_a_dataset_other_users_can_read(proxy, marker, tmp_pat
 
 
 def test_runs_get_no_coordinator_or_cluster_credentials():
-    """The fleet's secrets stay with the runner: the coordinator's URL and PostgreSQL's client settings
-    (a password, a service file), Ray's cluster address; the rest of the environment passes."""
+    """A run's environment by allow-list: PATH, HOME, LANG, TERM and what [isolation] pass_env names;
+    the fleet's secrets (the coordinator's URL, PostgreSQL's client settings, Ray's address), API keys
+    and stepmill's own settings never, whatever pass_env says of them."""
     from stepmill.runner.isolation import agent_environment
 
-    given = {"PATH": "/usr/bin", "HOME": "/home/x", "STEPMILL_COORDINATOR": "postgresql://u:pw@db/x",
+    given = {"PATH": "/usr/bin", "HOME": "/home/x", "LANG": "C.UTF-8", "STEPMILL_COORDINATOR": "postgresql://u:pw@db/x",
              "PGPASSWORD": "pw", "PGSERVICEFILE": "/etc/pg_service.conf", "PGHOST": "db",
-             "DATABASE_URL": "postgresql://u:pw@db/x", "RAY_ADDRESS": "10.0.0.1:6379", "OPENAI_API_KEY": "sk-x"}
-    assert agent_environment(given) == {"PATH": "/usr/bin", "HOME": "/home/x", "OPENAI_API_KEY": "sk-x"}
+             "DATABASE_URL": "postgresql://u:pw@db/x", "RAY_ADDRESS": "10.0.0.1:6379", "OPENAI_API_KEY": "sk-x",
+             "CUDA_VISIBLE_DEVICES": "0", "CUDA_HOME": "/usr/local/cuda", "STEPMILL_TOKEN": "t"}
+    assert agent_environment(given) == {"PATH": "/usr/bin", "HOME": "/home/x", "LANG": "C.UTF-8"}
+    assert agent_environment(given, ["CUDA_*", "STEPMILL_TOKEN"]) == {
+        "PATH": "/usr/bin", "HOME": "/home/x", "LANG": "C.UTF-8", "CUDA_VISIBLE_DEVICES": "0",
+        "CUDA_HOME": "/usr/local/cuda"}
+
+
+def test_pass_env_never_names_stepmills_own_variables(tmp_path):
+    from stepmill.errors import ConfigError
+    from stepmill.runner.isolation import Isolation
+
+    import pytest
+
+    with pytest.raises(ConfigError, match="stepmill's own variables are never passed on"):
+        Isolation(pass_env=["STEPMILL_TOKEN"])
+    assert Isolation(pass_env=["HF_HOME", "CUDA_*"]).pass_env == ["HF_HOME", "CUDA_*"]
 
 
 def test_an_admin_route_is_recognised_however_its_path_is_written():

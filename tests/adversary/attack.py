@@ -216,8 +216,9 @@ def main() -> int:
     run_dir = os.path.dirname(os.getcwd())
     A["own_run_folder"] = attempt(lambda: {p: read_file(p)["text"][:300] for p in walk(run_dir)
                                            if os.path.isfile(p) and not p.endswith(("agent.log", ".pem"))})
-    A["other_run_folders"] = attempt(lambda: {root: attempt(os.listdir, root)
-                                              for root in glob.glob("/tmp/stepmill-rollout-*/")})
+    # the runs' root around its own folder (beside the database), and any temporary one
+    A["other_run_folders"] = attempt(lambda: {root: attempt(os.listdir, root) for root in
+                                              {*glob.glob("/tmp/stepmill-rollout-*/"), os.path.dirname(run_dir)}})
 
     # -- another run's trajectory: tag headers, credentials, reverse paths, its group ----------------
     chat = base + "/chat/completions"

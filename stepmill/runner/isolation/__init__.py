@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from stepmill.errors import ConfigError
 from stepmill.runner.isolation.environment import agent_environment, check_pass_env
-from stepmill.runner.isolation.files import Exposed, Private, exposed
+from stepmill.runner.isolation.files import Exposed, Private, code_paths, exposed
 from stepmill.runner.isolation.policy import Policy, RunPlace
 from stepmill.runner.isolation.sandbox import bwrap_problem
 from stepmill.runner.limits import Limits
@@ -30,8 +30,8 @@ from stepmill.runner.limits import Limits
 # Each mode's module (its ``POLICY`` class): a new mode is a new module and its line here.
 MODULES = {"sandbox": "sandbox", "user": "user", "container": "container", "none": "host"}
 MODES = ("auto", *MODULES)
-__all__ = ["MODES", "Isolation", "IsolationError", "Policy", "Private", "RunPlace", "agent_environment",
-           "bwrap_problem", "policy", "resolve"]
+__all__ = ["MODES", "Exposed", "Isolation", "IsolationError", "Policy", "Private", "RunPlace", "agent_environment",
+           "bwrap_problem", "code_paths", "policy", "resolve"]
 
 
 class IsolationError(ConfigError):

@@ -1,0 +1,78 @@
+"""Run folders with a home and an end: a rollout's run folders live beside its database (or where
+``[run] runs_dir`` / ``--runs-dir`` says), each run's log is kept and linked from its trajectory, and
+folders older than ``[run] keep_runs_days`` are removed when a rollout starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from .conftest import STEPMILL
+
+SAID = "hello from the run"
+
+
+def _rollout(folder: Path, proxy, *, run_extra: str = "", args: tuple = ()) -> tuple[subprocess.CompletedProcess, dict]:
+    marker = uuid.uuid4().hex[:10]
+    (folder / "tasks.jsonl").write_text(json.dumps({"id": "t1", "prompt": "say hello", "answer": "0"}) + "\n")
+    config = folder / "rollout.toml"
+    config.write_text(f"""
+[proxy]
+url = "{proxy.url}"
+db = "{proxy.db}"
+confdir = "{proxy.confdir}"
+
+[[agent]]
+name = "hello"
+command = ["/usr/bin/python3", "-c", "print({SAID!r})"]
+
+[[dataset]]
+name = "runs-{marker}"
+path = "tasks.jsonl"
+
+[run]
+agent = "hello"
+dataset = "runs-{marker}"
+n = 1
+timeout = 60
+{run_extra}
+""")
+    done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress", *args], capture_output=True, text=True,
+                          timeout=300)
+    assert "1 runs finished (0 failed, 0 timed out)" in done.stderr, done.stderr[-3000:]
+    [row] = proxy.store().query("SELECT metadata FROM trajectories WHERE id LIKE ?", [f"runs-{marker}-%"])
+    return done, json.loads(row["metadata"])
+
+
+def test_a_runs_folder_is_beside_its_database_and_its_log_is_linked(proxy, tmp_path):
+    done, metadata = _rollout(tmp_path, proxy)
+    runs_root = Path(f"{Path(proxy.db).resolve()}.runs")
+    log = Path(metadata["log"])
+    assert runs_root in log.parents, f"the run's folder is not beside the database: {metadata}"
+    assert log.read_text().strip() == SAID
+    assert log.parent == Path(metadata["workdir"])
+
+
+def test_runs_dir_from_the_command_line(proxy, tmp_path):
+    chosen = tmp_path / "chosen-runs"
+    done, metadata = _rollout(tmp_path, proxy, args=("--runs-dir", str(chosen)))
+    assert chosen.resolve() in Path(metadata["log"]).parents, metadata
+    assert oct(chosen.stat().st_mode & 0o777) == "0o711"  # runs of other uids reach their folder, list none
+
+
+def test_old_run_folders_are_removed_when_a_rollout_starts(proxy, tmp_path):
+    runs_root = tmp_path / "runs"
+    old, recent = runs_root / "old-run", runs_root / "recent-run"
+    for folder in (old, recent):
+        (folder / "work").mkdir(parents=True)
+        (folder / "work" / "agent.log").write_text("an earlier run's output\n")
+    ten_days_ago = time.time() - 10 * 86400
+    for path in (old / "work" / "agent.log", old / "work", old):
+        os.utime(path, (ten_days_ago, ten_days_ago))
+    done, metadata = _rollout(tmp_path, proxy, run_extra=f'runs_dir = "{runs_root}"\nkeep_runs_days = 7')
+    assert not old.exists(), "a run folder older than keep_runs_days was kept"
+    assert recent.exists() and Path(metadata["log"]).exists()
