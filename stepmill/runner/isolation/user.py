@@ -1,17 +1,20 @@
 """``isolation = user``: each concurrent run as another OS user (uids ``first_uid``, ``first_uid + 1``,
 …; the runner must be root). No namespace of its own: it sees the host's files, processes and
 network as any user does, so what protects the runner's data is file modes. Files stepmill creates
-are owner-only; a dataset file other users can read is refused (``check_dataset``). What a run of a
-uid leaves behind is killed before the next run of that uid starts, and when it ends."""
+are owner-only; a dataset file other users can read is refused (``check_dataset``). It runs with
+``no_new_privs`` (no setuid binary gives it more) and a new session keyring. What a run of a uid
+leaves behind — processes, keys in that uid's keyrings — is gone before the next run of that uid
+starts, and when it ends."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import stat
 import subprocess
 
-from stepmill.children import die_with_parent
+from stepmill.children import die_with_parent, prctl
 from stepmill.runner.isolation.policy import Policy, RunPlace, Start, give_to, own_home
 
 
@@ -35,6 +38,14 @@ def unreachable(runs_root) -> str | None:
     return None
 
 
+PR_SET_NO_NEW_PRIVS = 38
+SYS_KEYCTL = 250 if os.uname().machine == "x86_64" else 219
+KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR = 1, 7
+KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -4, -5
+# Looked up here, in the parent: a ``preexec_fn`` must not load a library (see stepmill.children).
+_syscall = ctypes.CDLL(None, use_errno=True).syscall
+
+
 def become(uid: int):
     """A ``preexec_fn`` part: the run's own uid and gid, no supplementary groups."""
     def switch():
@@ -44,13 +55,29 @@ def become(uid: int):
     return switch
 
 
+def confine() -> None:
+    """After ``become``, in the run's first process: no setuid binary raises it again, and a session
+    keyring of its own (none of the runner's keys in reach)."""
+    if prctl is None or prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        os._exit(126)  # a run that could become root again never starts
+    _syscall(SYS_KEYCTL, KEYCTL_JOIN_SESSION_KEYRING, None)
+
+
+def clear_keys() -> None:
+    """As the run's uid: its user keyrings emptied (they outlive its processes; the next run of the uid
+    would read what it left there)."""
+    for ring in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING):
+        _syscall(SYS_KEYCTL, KEYCTL_CLEAR, ctypes.c_long(ring))
+
+
 def end_all(uid: int) -> None:
-    """Kill every process of ``uid``: what a run left behind (a daemon in its own session) would
-    otherwise meet the next run of the same uid. A child that becomes ``uid`` signals all it may
-    (kill(-1) spares the caller), then exits."""
+    """Kill every process of ``uid`` and empty its keyrings: what a run left behind (a daemon in its own
+    session, a key) would otherwise meet the next run of the same uid. A child that becomes ``uid``
+    signals all it may (kill(-1) spares the caller), clears the keyrings, then exits."""
     def kill_as_uid():
         become(uid)()
         os.kill(-1, signal.SIGKILL)
+        clear_keys()
 
     subprocess.run(["/bin/true"], preexec_fn=kill_as_uid, check=False)
 
@@ -67,7 +94,7 @@ class User(Policy):
 
     def start(self, place: RunPlace, command: list[str], env: dict, nproc: int) -> Start:
         switch = become(place.uid)
-        return Start(command, lambda: (switch(), die_with_parent()))  # a uid change clears the parent signal
+        return Start(command, lambda: (switch(), confine(), die_with_parent()))  # a uid change clears the parent signal
 
     def end(self, place: RunPlace) -> None:
         end_all(place.uid)  # nothing of this run lives on to meet the next run of its uid
