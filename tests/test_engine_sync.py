@@ -1,6 +1,8 @@
 """The engine serves each new policy in place, verified: the real vLLM (dev mode, stepmill's worker
-extension) reloads a trainer's weights or a LoRA adapter, and a fixed probe's logprobs match the
-trainer's to 1e-4. Tied and untied embeddings; vLLM's own reload keeps a tied lm_head stale.
+extension) reloads a trainer's weights or a LoRA adapter, and a fixed probe's logprobs, computed inside
+the paused engine, match the trainer's to 1e-4 before generation resumes (and match what vLLM serves
+over HTTP). Tied and untied embeddings; vLLM's own reload keeps a tied lm_head stale, and the probe
+keeps it from being served.
 
 Two servers, one at a time: a tied model, and an untied one that also serves LoRA adapters.
 """
@@ -227,10 +229,13 @@ def test_each_version_is_served_in_place_and_verified(engine, syncs, request):
     first = sync.sync(model, "step-1")
     _timings(request, first)
     assert first.gap <= TOLERANCE
-    assert {"pause", "reload", "reset_cache", "version", "resume"} <= set(first.seconds)
+    assert {"pause", "reload", "probe_engine", "reset_cache", "version", "resume"} <= set(first.seconds)
+    assert "probe_engine" in PAUSED_PHASES  # checked before generation resumes
     assert first.paused_seconds == round(sum(first.seconds[k] for k in PAUSED_PHASES if k in first.seconds), 4)
     assert sync.weight_version() == "step-1"
     assert not sync.is_paused()
+    # the in-place probe reads what the engine serves: vLLM's own prompt logprobs over HTTP, to the tolerance
+    assert sync.engine_logprobs() == pytest.approx(vllm_logprobs(engine.url, engine.name, sync.probe), abs=TOLERANCE)
     after = _answer(engine, engine.name)
     assert after != before  # the engine answers with the new policy ...
     assert after[0] == _greedy(torch, model)  # ... the trainer's own greedy continuation
@@ -275,11 +280,13 @@ def test_vllms_own_reload_keeps_a_tied_lm_head_stale(engine, syncs, request):
     syncs(engine).sync(model, "base")  # earlier tests may have left other weights
     plain = syncs(engine, reload="vllm", allow_stale_tied=True)
     _noise(torch, model, seed=4)
-    with pytest.raises(SyncError, match="weight version stale") as caught:
+    with pytest.raises(SyncError, match="weight version stale .* left paused") as caught:
         plain.sync(model, "stale")
     request.node.user_properties.append(("stale_tied_gap", caught.value.gap))
     print(f"\nvLLM's own reload on a tied model: probe gap {caught.value.gap:.4f}")
     assert caught.value.gap > 100 * TOLERANCE
+    # caught while paused: never resumed, never announced
+    assert plain.is_paused() and plain.weight_version() == "base"
     fixed = syncs(engine).sync(model, "retied")
     assert fixed.gap <= TOLERANCE
 
@@ -320,6 +327,9 @@ def test_a_lora_adapter_is_loaded_in_place_and_verified(engine, syncs, request):
     assert _answer(engine, engine.name)[0] == base_answer[0]
     assert trainer_logprobs(model, sync.probe) == pytest.approx(
         vllm_logprobs(engine.url, engine.name, sync.probe), abs=TOLERANCE)
+    # the adapter probed in place (under its private id) is what the served name gives over HTTP
+    assert sync.engine_logprobs(lora_path=Path(first.path)) == pytest.approx(
+        vllm_logprobs(engine.url, "policy", sync.probe), abs=TOLERANCE)
 
     second = sync.sync_lora(model, _adapter(torch, seed=2), "lora-2", name="policy")  # in place, same name
     _timings(request, second)
@@ -330,3 +340,13 @@ def test_a_lora_adapter_is_loaded_in_place_and_verified(engine, syncs, request):
     with pytest.raises(SyncError, match="lora-stale"):
         sync.verify(model, "lora-stale", lora=_adapter(torch, seed=3))  # an adapter never loaded
     sync.resume()
+
+    second_answer = _answer(engine, "policy")
+    _noise(torch, model, seed=6)  # the trainer's base moved on, the engine's did not: the adapter's probe fails
+    with pytest.raises(SyncError, match="weight version lora-bad .* left paused") as caught:
+        sync.sync_lora(model, _adapter(torch, seed=4), "lora-bad", name="policy")
+    assert caught.value.gap > 100 * TOLERANCE
+    assert sync.is_paused() and sync.weight_version() == "lora-2"  # caught before it was served or announced
+    sync.resume()
+    again = _answer(engine, "policy")  # the name still serves the last verified adapter
+    assert again[0] == second_answer[0] and again[1] == pytest.approx(second_answer[1], abs=TOLERANCE)

@@ -8,8 +8,8 @@ is the proxy's policy version set, the prefix cache reset, the engine's weight v
 resumed. A probe that fails leaves generation paused (SyncError): no call is scheduled on weights that
 failed it, and the calls the engine holds stay held until the caller resumes or aborts them.
 
-Two ways for vLLM (VLLMSync): the full weights, or a LoRA adapter loaded in place (its probe runs over
-HTTP after the load: see sync_lora). SGLang's update_weights_from_disk (SGLangSync) is written to SGLang's
+Two ways for vLLM (VLLMSync): the full weights, or a LoRA adapter (probed in the engine under a private
+id, then loaded in place under its served name). SGLang's update_weights_from_disk (SGLangSync) is written to SGLang's
 request shapes and has no in-place probe (SGLangSync says how far it goes).
 
 vLLM's admin routes exist only with ``VLLM_SERVER_DEV_MODE=1``; ``stepmill.auth.admin_routes`` lists them
@@ -220,7 +220,7 @@ class SyncReport:
 
 
 # The phases during which the engine generates nothing: "save" and the trainer's side of the probe come
-# before; the engine's side of the probe is one of them (a LoRA adapter's comes after the resume).
+# before, "prune" after.
 PAUSED_PHASES = ("pause", "reload", "probe_engine", "stamp", "reset_cache", "version", "resume")
 
 
@@ -372,26 +372,29 @@ class VLLMSync:
     def sync_lora(self, model: Any, adapter: LoraAdapter, version: str, *, name: str = "policy") -> SyncReport:
         """Write ``adapter`` as ``version`` and load it in place under ``name`` (the server was started
         with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1); calls that name ``name`` as their model
-        get it. Verified against ``model`` with the adapter merged, over HTTP AFTER generation resumes (the
-        in-place probe reads the base model only): calls to ``name`` in that window get the adapter
-        unverified; a failed probe pauses generation again and raises."""
+        get it. While generation is paused the engine probes the adapter's folder under a private id no
+        request can name, against ``model`` with the adapter merged; only when it passes is the folder
+        loaded under ``name`` and generation resumed. A failed probe leaves generation paused and ``name``
+        on its last verified version (SyncError)."""
         folder = version_folder(self._folders(model), version, kind="lora")
         report = SyncReport(version, "lora", str(folder))
         phase, engine = _Phases(report), _Engine(self.url, self.timeout, version)
         with phase("save"):
             save_lora(adapter, folder, base_model=self.served_model)
+        with phase("probe_trainer"):
+            expected = trainer_logprobs(model, self.probe, lora=adapter)
         with phase("pause"):
             engine.call("POST", f"/pause?mode={self.pause_mode}", what="pausing generation")
         with _left_paused(version):
-            with phase("reload"):
+            with phase("probe_engine"):
+                report.gap = gap(expected, engine_probe(engine, self.probe, lora_path=folder))
+            self._check(report)
+            with phase("reload"):  # the folder just verified, read again under the served name
                 engine.call("POST", "/v1/load_lora_adapter",
                             {"lora_name": name, "lora_path": str(folder), "load_inplace": self.lora_name == name},
                             what="loading the LoRA adapter")
                 self.lora_name = name
             self._finish(engine, phase, version)
-        with phase("probe_trainer"):
-            expected = trainer_logprobs(model, self.probe, lora=adapter)
-        self._verify(engine, phase, report, expected, name)
         with phase("prune"):
             prune(self.root, folder)
         return report
@@ -416,27 +419,27 @@ class VLLMSync:
                             f"differ from the trainer's by up to {report.gap:.3g} (tolerance {self.tolerance:g})",
                             version=report.version, gap=report.gap)
 
-    def _verify(self, engine: _Engine, phase: _Phases, report: SyncReport, expected: list[float],
-                served: str) -> None:
-        """The probe over HTTP, on a serving engine: beyond the tolerance it is paused again (held calls
-        stay held) and SyncError says so."""
-        with phase("probe_engine"):
-            report.gap = gap(expected, vllm_logprobs(self.url, served, self.probe, timeout=self.timeout))
-        try:
-            self._check(report)
-        except SyncError as exc:
-            engine.call("POST", "/pause?mode=keep", what="pausing the engine after a failed verification")
-            raise SyncError(f"{exc}; the engine is paused again (POST /resume to serve anyway)",
-                            version=report.version, gap=report.gap) from None
-
     def verify(self, model: Any, version: str, *, lora: LoraAdapter | None = None) -> float:
-        """The probe alone: the max gap between ``model``'s logprobs (with ``lora`` merged, then against the
-        adapter's served name) and the engine's; SyncError, the engine paused, beyond the tolerance."""
+        """The probe alone, over HTTP on a serving engine (what it serves now, by the route agents use): the
+        max gap between ``model``'s logprobs (with ``lora`` merged, then against the adapter's served name)
+        and the engine's; beyond the tolerance the engine is paused (held calls stay held) and SyncError
+        says so."""
         report = SyncReport(version, "lora" if lora is not None else "full", "")
         expected = trainer_logprobs(model, self.probe, lora=lora)
         served = self.lora_name if lora is not None and self.lora_name else self.served_model
-        self._verify(_Engine(self.url, self.timeout, version), _Phases(report), report, expected, served)
+        report.gap = gap(expected, vllm_logprobs(self.url, served, self.probe, timeout=self.timeout))
+        try:
+            self._check(report)
+        except SyncError as exc:
+            _Engine(self.url, self.timeout, version).call("POST", "/pause?mode=keep",
+                                                          what="pausing the engine after a failed verification")
+            raise SyncError(f"{exc}; the engine is paused (POST /resume to serve anyway)",
+                            version=version, gap=report.gap) from None
         return report.gap
+
+    def engine_logprobs(self, *, lora_path: Path | None = None) -> list[float]:
+        """The probe's logprobs as the engine computes them in place (what sync checks while paused)."""
+        return engine_probe(_Engine(self.url, self.timeout), self.probe, lora_path=lora_path)
 
     def weight_version(self) -> str | None:
         """The weight version the engine reports (GET /weight_info)."""
@@ -462,11 +465,14 @@ class VLLMSync:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def engine_probe(engine: _Engine, tokens: Sequence[int]) -> list[float]:
+def engine_probe(engine: _Engine, tokens: Sequence[int], *, lora_path: Path | None = None) -> list[float]:
     """The probe's logprobs computed inside the engine by stepmill's worker extension (``stepmill_probe``):
-    no request is scheduled, so it answers while generation is paused; one list per worker, all equal."""
-    answer = engine.call("POST", "/collective_rpc", {"method": "stepmill_probe",
-                                                     "kwargs": {"tokens": json.dumps(list(tokens))}},
+    no request is scheduled, so it answers while generation is paused; one list per worker, all equal.
+    With ``lora_path``: under the adapter in that folder, loaded for the probe alone."""
+    kwargs = {"tokens": json.dumps(list(tokens))}
+    if lora_path is not None:
+        kwargs["lora_path"] = str(lora_path)
+    answer = engine.call("POST", "/collective_rpc", {"method": "stepmill_probe", "kwargs": kwargs},
                          what="reading the probe's logprobs in the engine")
     try:
         rows = [[float(x) for x in result["logprobs"]] for result in answer["results"]]
@@ -501,8 +507,12 @@ class SGLangSync:
     version in one call), POST /continue_generation, and the probe through POST /generate with
     ``return_logprob`` and ``logprob_start_len`` 0 (meta_info.input_token_logprobs: [logprob, id, text]).
 
-    Not run here: SGLang does not install on this CPU-only machine, so nothing tests it against a real
-    server yet."""
+    Unlike VLLMSync, the probe runs AFTER /continue_generation: SGLang has no worker extension to run it
+    in place, and /generate is not scheduled while generation is paused, so calls in the window between
+    the resume and the probe's answer get weights not yet verified. A failed probe pauses generation again
+    (retract) and raises: what the engine served in that window is the caller's to discard (the loop uses
+    VLLMSync). Not run here: SGLang does not install on this CPU-only machine, so nothing tests it
+    against a real server yet."""
 
     def __init__(self, url: str, *, root: Path | None = None, run_dir: Path | None = None,
                  probe: Sequence[int] | None = None, tolerance: float = 1e-4, pause_mode: str = "retract",
@@ -523,6 +533,8 @@ class SGLangSync:
         phase, engine = _Phases(report), _Engine(self.url, self.timeout, version)
         with phase("save"):
             save_weights(model, folder)
+        with phase("probe_trainer"):  # before the pause: the window of unverified serving is the engine's alone
+            expected = trainer_logprobs(model, self.probe)
         with phase("pause"):
             engine.call("POST", "/pause_generation", {"mode": self.pause_mode}, what="pausing generation")
         with phase("reload"):
@@ -534,15 +546,14 @@ class SGLangSync:
                 raise SyncError(f"SGLang did not load weight version {version}: {answer}", version=version)
         with phase("resume"):
             engine.call("POST", "/continue_generation", {}, what="resuming generation")
-        with phase("probe_trainer"):
-            expected = trainer_logprobs(model, self.probe)
         with phase("probe_engine"):
             report.gap = gap(expected, sglang_logprobs(self.url, self.probe))
         if not report.gap <= self.tolerance:
             engine.call("POST", "/pause_generation", {"mode": "retract"}, what="pausing after a failed verification")
             raise SyncError(f"weight version {version} is not what SGLang serves: the probe's logprobs differ "
                             f"from the trainer's by up to {report.gap:.3g} (tolerance {self.tolerance:g}); "
-                            "the engine is left paused", version=version, gap=report.gap)
+                            "generation is paused again, after serving them since the resume",
+                            version=version, gap=report.gap)
         with phase("prune"):
             prune(self.root, folder)
         return report

@@ -2,9 +2,13 @@
 the new weights on the engine (verified), stamp the next calls with the new policy version.
 
     sync:   version v rolls out → its groups are claimed together → one optimizer step → acked
-            together → weights synced to the engine as v+1 (probe checked) → the proxy stamps v+1
+            together → weights loaded by the paused engine as v+1, the probe checked inside it → the
+            proxy stamps v+1 → generation resumes
     async:  rounds roll out continuously in a thread (collection never waits for training); the
             trainer claims what is ready within ``max_staleness`` versions, steps, acks, syncs
+
+A version whose weights fail the probe is never served: generation stays paused, the calls the engine
+held are aborted (async), and the run stops with the SyncError that names the version and the gap.
 
 A paired control runs the same rounds (same tasks, same seeds) from the same starting weights with
 no optimizer step, on its own channel, so its reward per version is the baseline the run is read
@@ -19,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from stepmill.errors import ConfigError
+from stepmill.errors import ConfigError, SyncError
 from stepmill.runner.config import Config
 from stepmill.runner.proxy_handle import ProxyHandle, origin
 from stepmill.runner.rollout import rollout_through
@@ -112,16 +116,29 @@ class Loop:
 
     # -- the pieces of one iteration ------------------------------------------------------------
     def serve(self, version: int) -> dict:
-        """The engine serves the policy's current weights as ``version`` (verified), then the proxy
-        stamps every call that starts from now on with it."""
-        # set while the engine holds new calls, from the moment it stopped taking them: a call is stamped
-        # with the version whose weights serve it, in async mode too
-        report = self.engine.sync(self.policy.model, str(version), while_paused=lambda paused_at:
-                                  self.proxy.client.set_policy_version(version, since=paused_at))
+        """The engine serves the policy's current weights as ``version`` once they passed the probe, and the
+        proxy stamps every call that starts from now on with it. A failed sync leaves the engine paused on
+        weights nobody sampled from; the calls it held are aborted so the rollouts end now (SyncError)."""
+        # set while the engine holds new calls, after the probe passed, from the moment it stopped taking
+        # them: a call is stamped with the version whose weights serve it, in async mode too
+        try:
+            report = self.engine.sync(self.policy.model, str(version), while_paused=lambda paused_at:
+                                      self.proxy.client.set_policy_version(version, since=paused_at))
+        except SyncError:
+            self._end_held_calls()
+            raise
         self.version = version
         self.policy.serving(version)
         return {"sync_s": report.total_seconds, "engine_paused_s": report.paused_seconds,
                 "logprob_gap": report.gap, "tolerance": self.train.tolerance}
+
+    def _end_held_calls(self) -> None:
+        """After a failed sync: if the engine stayed paused, end the calls it holds (never served, since)."""
+        try:
+            if self.engine.is_paused():
+                self.engine.abort_held()
+        except SyncError as exc:  # the sync's own error is the one the run stops with
+            say(f"[{self.run}] could not end the calls the paused engine holds: {exc}")
 
     def roll_out(self, number: int, *, version: int | None, dataset: str | None = None,
                  channel: str | None = None) -> float:

@@ -61,9 +61,10 @@ class StepmillWorkerExtension:
         return {"tied": tied, "shared": shared}
 
 
-    def stepmill_probe(self, tokens: str) -> dict:
+    def stepmill_probe(self, tokens: str, lora_path: str = "") -> dict:
         """The loaded model's logprob of each token after the first given the ones before (``tokens``: a
-        JSON list of ids), what vLLM's ``prompt_logprobs`` gives for them, computed in place."""
+        JSON list of ids), what vLLM's ``prompt_logprobs`` gives for them, computed in place; with
+        ``lora_path``, under the adapter in that folder (loaded for the probe alone, then removed)."""
         import torch
         from vllm.forward_context import set_forward_context
 
@@ -74,21 +75,43 @@ class StepmillWorkerExtension:
         device = next(model.parameters()).device
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         positions = torch.arange(len(ids), dtype=torch.long, device=device)
-        _no_lora(self.model_runner, len(ids))
         # skip_compiled: the eager modules; slot_mapping {}: no layer writes the KV cache
-        with torch.inference_mode(), _causal_sdpa(model), set_forward_context(
-                None, self.vllm_config, num_tokens=len(ids), slot_mapping={}, skip_compiled=True):
+        with torch.inference_mode(), _adapter_for_probe(self.model_runner, lora_path, len(ids)), \
+                _causal_sdpa(model), set_forward_context(None, self.vllm_config, num_tokens=len(ids),
+                                                         slot_mapping={}, skip_compiled=True):
             hidden = model(input_ids=input_ids, positions=positions)
             logits = model.compute_logits(hidden)
         picked = torch.log_softmax(logits[:-1].float(), dim=-1).gather(-1, input_ids[1:, None])[:, 0]
         return {"logprobs": picked.tolist()}
 
 
-def _no_lora(runner, count: int) -> None:
-    """On a server with --enable-lora: map every probe token to the base model (no adapter); the next
-    scheduled step sets its own mapping."""
-    if getattr(runner, "lora_config", None) and hasattr(runner, "_set_active_loras"):
+# An adapter id the server's own counter (1, 2, … per adapter loaded) never reaches: no request names it.
+PROBE_LORA_ID = 1 << 30
+
+
+@contextmanager
+def _adapter_for_probe(runner, lora_path: str, count: int):
+    """The probe's tokens mapped to the adapter in ``lora_path`` (under PROBE_LORA_ID, removed after) or,
+    without one, to the base model; on a server without --enable-lora there is nothing to map. The next
+    scheduled step sets its own mapping (and activates its own adapters) again."""
+    if not getattr(runner, "lora_config", None):
+        if lora_path:
+            raise RuntimeError("the server serves no LoRA adapters (start it with --enable-lora)")
+        yield
+        return
+    if not lora_path:
         runner._set_active_loras((0,) * count, (0,) * count, set())
+        yield
+        return
+    from vllm.lora.request import LoRARequest
+
+    request = LoRARequest(lora_name="stepmill-probe", lora_int_id=PROBE_LORA_ID, lora_path=lora_path)
+    runner.remove_lora(PROBE_LORA_ID)  # one an interrupted probe left
+    try:
+        runner._set_active_loras((PROBE_LORA_ID,) * count, (PROBE_LORA_ID,) * count, {request})
+        yield
+    finally:
+        runner.remove_lora(PROBE_LORA_ID)
 
 
 class _CausalAttention:
