@@ -207,13 +207,7 @@ async def _pump_answer(reader, writer, answers: EngineAnswers) -> None:
     except OSError:
         pass
     finally:
-        try:
-            if writer.can_write_eof():
-                writer.write_eof()
-            else:
-                writer.close()
-        except OSError:
-            writer.close()
+        _end(writer)
 
 
 async def _pump(reader, writer) -> None:
@@ -224,13 +218,18 @@ async def _pump(reader, writer) -> None:
     except OSError:
         pass
     finally:
-        try:
-            if writer.can_write_eof():
-                writer.write_eof()
-            else:
-                writer.close()
-        except OSError:
+        _end(writer)
+
+
+def _end(writer) -> None:
+    """No more to send: half-closed where the socket allows (the answer may still come), else closed."""
+    try:
+        if writer.can_write_eof():
+            writer.write_eof()
+        else:
             writer.close()
+    except OSError:
+        writer.close()
 
 
 async def _close(writer) -> None:
