@@ -32,7 +32,7 @@
     seed = 7                                  # which ones
     options = { min_terms = 2 }               # the task's own settings (reasoning-gym)
 
-    [isolation]                               # how runs are kept from the runner's files (stepmill/runner/isolation.py)
+    [isolation]                               # how runs are kept from the runner's files (stepmill/runner/isolation/)
     mode = "auto"                             # auto | sandbox | user | container | none
     expose = ["/srv/repo"]                    # sandbox: more it sees, read-only ({ path, writable = true })
     network = "own"                           # sandbox: own (its only way out is the proxy) | host
@@ -230,6 +230,17 @@ def _check_executor(run: dict, data: dict, fail) -> None:
             fail("proxy", key, 'executor = "ray" starts a proxy on each node, with its own file in run.node_dir')
 
 
+def _check_run_folders(run: dict, path: Path, fail) -> None:
+    """Where the runs' folders go (relative to the configuration) and how long they are kept."""
+    if "runs_dir" in run:
+        if not (isinstance(run["runs_dir"], str) and run["runs_dir"]):
+            fail("run", "runs_dir", "a folder path is required")
+        run["runs_dir"] = str((path.parent / os.path.expanduser(run["runs_dir"])).resolve())
+    days = run.get("keep_runs_days", 0)
+    if isinstance(days, bool) or not isinstance(days, (int, float)) or days < 0:
+        fail("run", "keep_runs_days", "a number of days ≥ 0 is required (0: never removed)")
+
+
 def load(path: str | Path) -> Config:
     path = Path(path)
     try:
@@ -318,13 +329,7 @@ def load(path: str | Path) -> Config:
     if "seed" in run and (isinstance(run["seed"], bool) or not isinstance(run["seed"], int) or run["seed"] < 0):
         fail("run", "seed", "a non-negative integer is required")
     _check_executor(run, data, fail)
-    if "runs_dir" in run:
-        if not (isinstance(run["runs_dir"], str) and run["runs_dir"]):
-            fail("run", "runs_dir", "a folder path is required")
-        run["runs_dir"] = str((path.parent / os.path.expanduser(run["runs_dir"])).resolve())
-    if "keep_runs_days" in run and (isinstance(run["keep_runs_days"], bool)
-                                    or not isinstance(run["keep_runs_days"], (int, float)) or run["keep_runs_days"] < 0):
-        fail("run", "keep_runs_days", "a number of days ≥ 0 is required (0: never removed)")
+    _check_run_folders(run, path, fail)
     route = data.get("route", {})
     if "base_url" in route and not (isinstance(route["base_url"], str)
                                     and re.match(r"https?://[^/]", route["base_url"])):

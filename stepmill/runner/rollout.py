@@ -1,7 +1,7 @@
 """`stepmill rollout CONFIG`: every task of a dataset, n times, through the proxy, ready for training.
 
 Each run is its own process in its own working directory, isolated from the runner's files
-(``isolation.py``), registered with the proxy and tagged through credentials that carry the run's
+(``isolation/``), registered with the proxy and tagged through credentials that carry the run's
 own secret (the agent needs no change), and trusting the proxy's CA (Python, Node, Rust clients). The runner holds the concurrency limit and the per-run timeout, shows live
 progress, completes each trajectory with its exit status and duration, and scores the rewards of
 the configuration. Ctrl-C stops runs cleanly (what they sent is kept; their trajectories stay
