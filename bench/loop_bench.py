@@ -6,7 +6,7 @@ random-weight Qwen2 (tied embeddings) that stepmill.demo.main writes; its start 
 Then ``stepmill train`` runs ``--iterations`` versions (no control) of the black-box agent on the
 ``animals16`` prompts (from the warm-started base), ``--tasks`` × ``--n`` rollouts a version, and each version's numbers are read back
 from the store: rollout seconds, training seconds (one GRPO step over the version's groups), sync
-seconds (writing the weights, pause → reload → stamp → reset cache → version → resume, then the probe)
+seconds (writing the weights, the trainer's probe, pause → reload → the engine's probe → stamp → reset cache → version → resume)
 and of those the seconds the engine generated nothing, and the probe's logprob gap.
 
 Needs torch: run it as the tests do, with .ci/pytest-torch's path (the engine venv's packages after the
