@@ -44,11 +44,13 @@ def revoke_key(key: int) -> None:
     libc.syscall(250, 3, ctypes.c_long(key))  # KEYCTL_REVOKE
 
 
-def rollout_config(folder: Path, proxy, marker: str, *, mode: str, env: dict, expose: str, runs_dir: Path) -> Path:
-    tasks = folder / "tasks.jsonl"
-    tasks.touch(mode=0o600)  # user mode refuses a dataset other users may read
-    tasks.write_text("".join(json.dumps({"id": f"t0{i}", "prompt": f"grab {i}", "answer": "0"}) + "\n"
-                             for i in (1, 2)))
+def write_rollout(folder: Path, proxy, *, dataset: str, command: list[str], tasks: list[dict], env: dict = None,
+                  isolation: str = "", run: str = "") -> Path:
+    """A rollout of one agent (``command``) through the test session's proxy; ``isolation`` and ``run``:
+    more TOML lines of those tables. The dataset is owner-only (user mode refuses one others may read)."""
+    tasks_file = folder / "tasks.jsonl"
+    tasks_file.touch(mode=0o600)
+    tasks_file.write_text("".join(json.dumps(task) + "\n" for task in tasks))
     config = folder / "rollout.toml"
     config.write_text(f"""
 [proxy]
@@ -57,26 +59,23 @@ db = "{proxy.db}"
 confdir = "{proxy.confdir}"
 
 [[agent]]
-name = "grab"
-command = ["{SYSTEM_PYTHON}", "{GRAB}"]
-env = {{ {", ".join(f'{k} = {json.dumps(v)}' for k, v in env.items())} }}
+name = "agent"
+command = {json.dumps(command)}
+env = {{ {", ".join(f'{k} = {json.dumps(v)}' for k, v in (env or {}).items())} }}
 
 [[dataset]]
-name = "grab-{marker}"
+name = "{dataset}"
 path = "tasks.jsonl"
 
 [isolation]
-mode = "{mode}"
-expose = {expose}
-limits = {{ pids = 48 }}
+{isolation}
 
 [run]
-agent = "grab"
-dataset = "grab-{marker}"
+agent = "agent"
+dataset = "{dataset}"
 n = 1
-concurrency = 2
 timeout = 90
-runs_dir = "{runs_dir}"
+{run}
 """)
     return config
 
@@ -107,7 +106,10 @@ def grabbed(request, proxy, tmp_path_factory):
            "GRAB_SHARED": str(shared), "GRAB_RECIPE": "from-the-recipe", "GRAB_FORKS": "40"}
     expose = f'["{tools}", {{ path = "{shared}", writable = true }}]'
     folder = tmp_path_factory.mktemp("grab")
-    config = rollout_config(folder, proxy, marker, mode=mode, env=env, expose=expose, runs_dir=base / "runs")
+    config = write_rollout(folder, proxy, dataset=f"grab-{marker}", command=[SYSTEM_PYTHON, str(GRAB)], env=env,
+                           tasks=[{"id": f"t0{i}", "prompt": f"grab {i}", "answer": "0"} for i in (1, 2)],
+                           isolation=f'mode = "{mode}"\nexpose = {expose}\nlimits = {{ pids = 48 }}',
+                           run=f'concurrency = 2\nruns_dir = "{base / "runs"}"')
     runner_env = {**os.environ, **RUNNER_SECRETS, "GRAB_PASSED": "passed-on"}
     try:
         done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,

@@ -12,35 +12,15 @@ import uuid
 from pathlib import Path
 
 from .conftest import STEPMILL
+from .test_sandbox_host import write_rollout
 
 SAID = "hello from the run"
 
 
 def _rollout(folder: Path, proxy, *, run_extra: str = "", args: tuple = ()) -> tuple[subprocess.CompletedProcess, dict]:
     marker = uuid.uuid4().hex[:10]
-    (folder / "tasks.jsonl").write_text(json.dumps({"id": "t1", "prompt": "say hello", "answer": "0"}) + "\n")
-    config = folder / "rollout.toml"
-    config.write_text(f"""
-[proxy]
-url = "{proxy.url}"
-db = "{proxy.db}"
-confdir = "{proxy.confdir}"
-
-[[agent]]
-name = "hello"
-command = ["/usr/bin/python3", "-c", "print({SAID!r})"]
-
-[[dataset]]
-name = "runs-{marker}"
-path = "tasks.jsonl"
-
-[run]
-agent = "hello"
-dataset = "runs-{marker}"
-n = 1
-timeout = 60
-{run_extra}
-""")
+    config = write_rollout(folder, proxy, dataset=f"runs-{marker}", command=["/usr/bin/python3", "-c", f"print({SAID!r})"],
+                           tasks=[{"id": "t1", "prompt": "say hello", "answer": "0"}], run=run_extra)
     done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress", *args], capture_output=True, text=True,
                           timeout=300)
     assert "1 runs finished (0 failed, 0 timed out)" in done.stderr, done.stderr[-3000:]
