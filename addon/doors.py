@@ -64,6 +64,19 @@ class Doors:
             return run  # a key on a bound connection binds nothing more
         return self.state.runs.bind(connection, key) or False
 
+    def _door_run(self, flow: http.HTTPFlow) -> RegisteredRun | None:
+        """The run whose door a flow came through, to be checked for where it goes; None for a flow from
+        no door, or one refused here already (a key no run holds, a run that has ended)."""
+        run = self._run_of(flow)
+        if run is False:
+            return self._refuse(flow, UNKNOWN_DOOR)
+        if run is None:
+            return None
+        flow.metadata["stepmill_door"] = run.trajectory_id
+        if run.revoked:
+            return self._refuse(flow, f"run {run.trajectory_id!r} has ended: its credentials were revoked")
+        return run
+
     def client_disconnected(self, client):
         self.state.runs.unbind(client.id)
 
@@ -72,15 +85,9 @@ class Doors:
         try:
             if flow.response is not None:
                 return
-            run = self._run_of(flow)
-            if run is False:
-                return self._refuse(flow, UNKNOWN_DOOR)
-            if run is None:
-                return
-            flow.metadata["stepmill_door"] = run.trajectory_id
-            if run.revoked:
-                return self._refuse(flow, f"run {run.trajectory_id!r} has ended: its credentials were revoked")
-            if not self._is_control(flow) and not self._reaches(run, flow.request.host, flow.request.port):
+            run = self._door_run(flow)
+            if run is not None and not self._is_control(flow) and not self._reaches(run, flow.request.host,
+                                                                                    flow.request.port):
                 reason = self._elsewhere(run, flow.request)
                 self._refuse(flow, reason)
                 flow.metadata["stepmill_refused"] = reason  # kept once its body is read (``request``)
@@ -104,7 +111,8 @@ class Doors:
             flow.metadata["stepmill_vouched"] = vouched  # while sandboxed runs are open, a call from no door needs it
             if is_admin_route(path) and not vouched:
                 return self._refuse(flow, "an engine's admin routes are not reachable through stepmill's proxy")
-            run = self.state.runs.at_door(flow.client_conn.id)
+            door = flow.metadata.get("stepmill_door")  # set by requestheaders: a flow from no door costs no lookup
+            run = self.state.runs.runs.get(door) if door is not None else None
             if run is not None and not self._is_control(flow) and not self._reaches(run, request.host, request.port):
                 self._refuse(flow, self._elsewhere(run, request))  # an addon before this one sent it elsewhere
         except Exception:
@@ -113,14 +121,8 @@ class Doors:
     # -- CONNECT: the same check, before anything is connected ----------------------------------------
     def http_connect(self, flow: http.HTTPFlow):
         try:
-            run = self._run_of(flow)
-            if run is False:
-                return self._refuse(flow, UNKNOWN_DOOR)
-            if run is None:
-                return
-            if run.revoked:
-                return self._refuse(flow, f"run {run.trajectory_id!r} has ended: its credentials were revoked")
-            if not self._reaches(run, flow.request.host, flow.request.port):
+            run = self._door_run(flow)
+            if run is not None and not self._reaches(run, flow.request.host, flow.request.port):
                 self._refuse(flow, self._elsewhere(run, flow.request))  # answered alike, open port or not
         except Exception:
             hook_failed("http_connect")
