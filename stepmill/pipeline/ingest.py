@@ -137,8 +137,8 @@ class Ingest:
             else:
                 try:
                     payload = protocol.load_response(raw_response, "response body")
-                except ProtocolError as exc:
-                    completion = Completion(status="error", error=str(exc))
+                except ProtocolError as exc:  # a body cut by the connection's end says so first
+                    completion = Completion(status="error", error="; ".join(e for e in (error, str(exc)) if e))
                 else:
                     completion = recording.parse_response(protocol, payload)
             if error and status is not None and completion.status == "ok":
