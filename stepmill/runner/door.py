@@ -201,7 +201,7 @@ async def _pump_answer(reader, writer, answers: EngineAnswers) -> None:
                 await writer.drain()
             seen.add(data)
             held = data
-        answers.keep(seen)
+        await asyncio.get_running_loop().run_in_executor(None, answers.keep, seen)  # other doors go on meanwhile
         writer.write(held)
         await writer.drain()
     except OSError:
