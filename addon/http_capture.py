@@ -38,7 +38,7 @@ log = logging.getLogger("stepmill")
 def _authority_host(authority: str) -> str:
     """The host of a Host header (or :authority), as mitmproxy's ``pretty_host`` has it: parsed once per
     value an agent sends, not once per call."""
-    return url.parse_authority(authority, check=False)[0]
+    return tagging.stored_text(url.parse_authority(authority, check=False)[0])
 
 
 def _pretty_host(request: http.Request) -> str:
@@ -125,8 +125,10 @@ class HttpCapture:
                 "message": f"stepmill refused this call: {exc}", "type": "stepmill_refused"}}),
                 {"Content-Type": "application/json"})
             return None
-        call = Call(api=protocol.api, host=host, path=request.path.split("?", 1)[0], tags=tags,
-                    session_id=tagging.session_id(index), headers=allowed_headers(index),
+        path = tagging.stored_text(request.path.split("?", 1)[0])  # bytes that are not UTF-8: U+FFFD
+        call = Call(api=protocol.api, host=host, path=path, tags=tags,
+                    session_id=tagging.session_id(index),
+                    headers={name: tagging.stored_text(value) for name, value in allowed_headers(index).items()},
                     client_conn=flow.client_conn.id, default_channel=ctx.options.stepmill_channel)
         capture = Capture(
             record=CallRecord(kind="http", call=call, started=request.timestamp_start or time.time(),

@@ -55,7 +55,8 @@ def encode_id(value: str) -> str:
 
 
 def decode_id(token: str) -> str:
-    """The id a token stands for; ValueError for a ``~`` token that is not base64url of UTF-8."""
+    """The id a token stands for; ValueError for a ``~`` token that is not base64url of UTF-8, or a token that
+    is not UTF-8 itself (a header's bytes arrive surrogate-escaped)."""
     if token.startswith("~"):
         body = token[1:]
         if not BASE64URL.fullmatch(body):
@@ -64,7 +65,10 @@ def decode_id(token: str) -> str:
             return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("utf-8")
         except (binascii.Error, UnicodeDecodeError) as exc:
             raise ValueError(f"{token!r} is not an encoded id: {exc}") from None
-    return unquote(token, errors="strict") if "%" in token else token
+    value = unquote(token, errors="strict") if "%" in token else token
+    if not value.isascii():
+        value.encode("utf-8")  # UnicodeEncodeError (a ValueError): header bytes that were not UTF-8
+    return value
 
 
 def _decoded_or_none(token: str | None) -> str | None:
@@ -137,13 +141,20 @@ def from_proxy_authorization(value: str | None) -> Tags | None:
 
 def header_index(headers) -> dict[str, str]:
     """mitmproxy's request headers by lower-cased name, in one pass (each ``headers.get`` is a scan of
-    all of them); repeated headers are folded with ", " as ``headers.get`` does."""
+    all of them); repeated headers are folded with ", " as ``headers.get`` does. Bytes that are not UTF-8
+    stay surrogate-escaped (a tag of them decodes to nothing; ``stored_text`` before a step keeps one)."""
     index: dict[str, str] = {}
     for name, value in headers.fields:
         key = name.decode("latin-1").lower()
         text = value.decode("utf-8", "surrogateescape")
         index[key] = f"{index[key]}, {text}" if key in index else text
     return index
+
+
+def stored_text(value: str) -> str:
+    """``value`` as a step can store it: surrogate escapes (bytes of a header or path that are not UTF-8) as
+    U+FFFD. ASCII (the usual case) is returned as it is, unscanned."""
+    return value if value.isascii() else value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def pop_header_tags(headers, index: dict[str, str]) -> Tags | None:
@@ -160,5 +171,5 @@ def pop_header_tags(headers, index: dict[str, str]) -> Tags | None:
 def session_id(index: dict[str, str]) -> str | None:
     for name in SESSION_HEADERS:
         if index.get(name):
-            return index[name]
+            return stored_text(index[name])
     return None
