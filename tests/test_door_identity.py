@@ -19,11 +19,11 @@ import threading
 
 import pytest
 
-from stepmill.runner import isolation as iso
 from stepmill.store import Store
 
 from .conftest import wait_until
-from .test_adversarial import MODEL, TASKS, black_box, run_rollout, start_stack, stop_stack
+from .test_adversarial import MODEL, TASKS, black_box, run_rollout, stop_stack
+from .test_door_reach import sandbox_stack
 
 HOST_PROCESS = r'''
 import http.client, json, socket, sys
@@ -51,9 +51,7 @@ def _other_loopback() -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_host_process_on_a_doors_address_gets_nothing_of_the_run(simulated_llm, tmp_path_factory):
-    if iso.bwrap_problem():
-        pytest.skip(iso.bwrap_problem())
-    stack = start_stack("sandbox", tmp_path_factory.mktemp("door-identity"), simulated_llm.url)
+    stack = sandbox_stack(simulated_llm, tmp_path_factory, "door-identity")
     marker, finished = stack.marker, []
     trajectory = f"borrow-{marker}-t01-0"
     rollout = threading.Thread(target=lambda: finished.append(run_rollout(

@@ -92,15 +92,20 @@ class Namespace:
         subprocess.run(["ip", "link", "del", self.outer], capture_output=True, check=False)
 
 
+def sandbox_stack(simulated_llm, tmp_path_factory, name: str):
+    """A proxy, Datasette and database for sandboxed runs (skipped where bubblewrap cannot run)."""
+    if iso.bwrap_problem():
+        pytest.skip(iso.bwrap_problem())
+    return start_stack("sandbox", tmp_path_factory.mktemp(name), simulated_llm.url)
+
+
 @pytest.fixture(scope="module")
 def reached(simulated_llm, tmp_path_factory):
     """The listeners, and the run's report once its rollout ended."""
-    if iso.bwrap_problem():
-        pytest.skip(iso.bwrap_problem())
     if os.geteuid() != 0 or not shutil.which("ip"):
         pytest.skip("the network namespace this test makes needs root and ip(8)")
-    logs = tmp_path_factory.mktemp("door-reach")
-    stack = start_stack("sandbox", logs, simulated_llm.url)
+    stack = sandbox_stack(simulated_llm, tmp_path_factory, "door-reach")
+    logs = stack.logs
     marker = stack.marker
     namespace = Namespace(marker)
     listeners = {}

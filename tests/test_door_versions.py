@@ -13,11 +13,11 @@ import urllib.request
 
 import pytest
 
-from stepmill.runner import isolation as iso
 from stepmill.store import Store
 
 from .conftest import TESTS
-from .test_adversarial import TASKS, run_rollout, start_stack, stop_stack
+from .test_adversarial import TASKS, run_rollout, stop_stack
+from .test_door_reach import sandbox_stack
 
 
 def _label(simulated_llm, version: str) -> None:
@@ -31,9 +31,7 @@ def _label(simulated_llm, version: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_white_box_line_that_claims_a_version_gets_the_engines_or_none(simulated_llm, tmp_path_factory):
-    if iso.bwrap_problem():
-        pytest.skip(iso.bwrap_problem())
-    stack = start_stack("sandbox", tmp_path_factory.mktemp("door-versions"), simulated_llm.url)
+    stack = sandbox_stack(simulated_llm, tmp_path_factory, "door-versions")
     marker = stack.marker
     agents = (f'[[agent]]\nname = "wb"\nentry = "tests.adversary.door_versions:run"\n'
               f'env = {{ PYTHONPATH = "{TESTS.parent}" }}\n')
