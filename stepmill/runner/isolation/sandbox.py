@@ -39,14 +39,14 @@ PROBE_UID = 65534  # nobody: the uid bwrap_problem's trial run becomes
 @functools.lru_cache(maxsize=1)
 def bwrap_problem() -> str | None:
     """Why bubblewrap cannot sandbox a run here, or None when it can: tried once, for real, with the
-    step that makes the run an unprivileged user of its own (user namespaces must be allowed)."""
+    step that makes the run an unprivileged user of its own (user namespaces must be allowed) and
+    stepmill's interpreter started as that user."""
     path = shutil.which("bwrap")
     if path is None:
         return "bubblewrap is not installed (Debian: apt-get install bubblewrap)"
-    shown = []
-    for folder in code_paths():
-        shown += ["--ro-bind", str(folder), str(folder)]
-    trial = [path, *_base_args(), *shown, *first_step(PROBE_UID if os.geteuid() == 0 else None, 0), "true"]
+    # What a run does first: the step inside, then stepmill's interpreter as the run's uid.
+    command = [*first_step(PROBE_UID if os.geteuid() == 0 else None, 0), sys.executable, "-I", "-c", "pass"]
+    trial = [path, *_base_args(), *_shown(command, [], [], None), *command]
     try:
         result = subprocess.run(trial, capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -83,7 +83,7 @@ def first_step(uid: int | None, nproc: int) -> list[str]:
 def sandbox_command(command: list[str], *, run_dir: Path, private: Private, needs: list[Path] = (),
                     expose: list[Exposed] = (), search_path: str | None = None,
                     door: list[str] | None = None, disk_mb: int = 0, uid: int | None = None,
-                    nproc: int = 0) -> list[str]:
+                    nproc: int = 0, etc: dict[str, Path] | None = None) -> list[str]:
     """bubblewrap around ``command``: the run sees what it needs and nothing of the runner's.
     Mounts apply in order: the system's trees and an empty /tmp (``_base_args``); what the run needs
     (stepmill's code and interpreter, the agent's install folders, a tokenizer, what the configuration
@@ -92,7 +92,8 @@ def sandbox_command(command: list[str], *, run_dir: Path, private: Private, need
     own, whose only ways out they forward. ``disk_mb``: its folder is a tmpfs of that size instead
     (what the runner put there shown read-only, work and home empty and writable): what it writes
     fills that, never the disk, and is gone when it ends. ``uid``: the uid a root runner's run
-    becomes; ``nproc``: its processes at once, counted in its own user namespace."""
+    becomes; ``nproc``: its processes at once, counted in its own user namespace; ``etc``: files shown
+    over /etc's (``/etc/passwd`` naming the run's uid), read-only."""
     args = ["bwrap", *_base_args()]
     if door is not None:
         from stepmill.runner.door import INSIDE as DOOR_INSIDE
@@ -102,6 +103,8 @@ def sandbox_command(command: list[str], *, run_dir: Path, private: Private, need
     command = first_step(uid, nproc) + command
     args += _shown(command, needs, expose, search_path)
     args += _hidden(args, private)
+    for name, source in (etc or {}).items():
+        args += ["--ro-bind", str(source), f"/etc/{name}"]
     args += _parents(run_dir, [Path(tree) for tree in SYSTEM_TREES], set())
     if disk_mb:
         args += ["--size", str(disk_mb * 2**20), "--perms", "0755", "--tmpfs", str(run_dir)]
@@ -164,6 +167,34 @@ def _hidden(args: list[str], private: Private) -> list[str]:
     return hidden
 
 
+def named_user(place: RunPlace) -> dict[str, Path]:
+    """/etc/passwd and /etc/group as the run sees them: the host's, and its uid named (``stepmill-run``,
+    its home) where the host names it not — programs ask who they are (Node's ``os.userInfo``)."""
+    import grp
+    import pwd
+
+    files = {}
+    for name, known, line in (
+            ("passwd", _known(pwd.getpwuid, place.uid), f"stepmill-run:x:{place.uid}:{place.uid}:stepmill run:"
+                                                        f"{place.home}:/bin/sh"),
+            ("group", _known(grp.getgrgid, place.uid), f"stepmill-run:x:{place.uid}:")):
+        if known:
+            continue
+        files[name] = place.run_dir / f"etc-{name}"
+        host = Path(f"/etc/{name}").read_text() if Path(f"/etc/{name}").exists() else ""
+        files[name].write_text(host.rstrip("\n") + "\n" + line + "\n")
+        files[name].chmod(0o644)
+    return files
+
+
+def _known(lookup, number: int) -> bool:
+    try:
+        lookup(number)
+        return True
+    except KeyError:
+        return False
+
+
 class Sandbox(Policy):
     name = "sandbox"
     counts_own_processes = True
@@ -185,7 +216,8 @@ class Sandbox(Policy):
         command = sandbox_command(command, run_dir=place.run_dir, private=self.private, needs=place.needs,
                                   expose=self.isolation.expose, search_path=env.get("PATH"), door=place.door,
                                   disk_mb=self.isolation.limits.disk_mb, nproc=nproc,
-                                  uid=place.uid if self.as_root else None)
+                                  uid=place.uid if self.as_root else None,
+                                  etc=named_user(place) if self.as_root else None)
         return Start(command, die_with_parent)
 
 
