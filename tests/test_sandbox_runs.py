@@ -56,3 +56,22 @@ def test_old_run_folders_are_removed_when_a_rollout_starts(proxy, tmp_path):
     done, metadata = _rollout(tmp_path, proxy, run_extra=f'runs_dir = "{runs_root}"\nkeep_runs_days = 7')
     assert not old.exists(), "a run folder older than keep_runs_days was kept"
     assert recent.exists() and Path(metadata["log"]).exists()
+
+
+def test_user_mode_says_when_its_runs_cannot_reach_their_folders(proxy, tmp_path):
+    """Runs of other uids must enter the runs' folder: one inside a folder only its owner may enter is
+    refused before anything runs, and the message says what to set."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("isolation = user needs the runner to be root")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    marker = uuid.uuid4().hex[:10]
+    config = write_rollout(tmp_path, proxy, dataset=f"runs-{marker}", command=["/usr/bin/python3", "-c", "pass"],
+                           tasks=[{"id": "t1", "prompt": "x"}], isolation='mode = "user"',
+                           run=f'runs_dir = "{private / "runs"}"')
+    done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and "which other users (the runs) cannot enter: set [run] runs_dir" in done.stderr, (
+        done.stderr[-2000:])
