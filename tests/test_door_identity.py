@@ -97,3 +97,40 @@ def test_a_host_process_on_a_doors_address_gets_nothing_of_the_run(simulated_llm
         assert ran.done.returncode == 0 and ran.trajectories[trajectory]["metadata"]["outcome"] == "ok", ran.done.stderr
     finally:
         shutil.rmtree(stack.base, ignore_errors=True)  # the runs' folders too: beside its database
+
+
+KEYED_CALLS = r'''
+import http.client, json, sys
+port, key, target = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+out = []
+for _ in range(12):  # new connections, spread over the workers
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=15)
+    conn.request("POST", target + "/v1/chat/completions", body=b"{}", headers={"X-Stepmill-Door": key})
+    response = conn.getresponse()
+    out.append(json.loads(response.read())["error"]["message"])
+    conn.close()
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.timeout(120)
+def test_every_worker_knows_a_run_by_its_door_key(upstream, tmp_path):
+    """With several proxy workers each connection's door key is bound by whichever worker takes it: a run
+    registered through one worker is known to all before its registration is answered. (A host process
+    stands in for the runner's side of the door: it holds the key, as only the runner does.)"""
+    import hashlib
+
+    from .conftest import launch_proxy, stop_proxy
+
+    proxy = launch_proxy(tmp_path, "http://127.0.0.1:9", "--workers", "2", upstream=upstream)
+    try:
+        client = proxy.client()
+        client.start_trajectory(trajectory_id="keyed", group_id="keyed")
+        client.register_run("keyed", door=hashlib.sha256(b"the door key").hexdigest(), hosts=["127.0.0.1:9"])
+        for key, said in (("the door key", "run 'keyed' reaches only its LLM"), ("a guess", "no run's door holds")):
+            done = subprocess.run([sys.executable, "-c", KEYED_CALLS, str(proxy.port), key, "http://127.0.0.1:10"],
+                                  capture_output=True, text=True, timeout=60, check=True)
+            messages = json.loads(done.stdout)
+            assert all(said in message for message in messages), messages
+    finally:
+        stop_proxy(proxy)

@@ -18,6 +18,7 @@ with one dictionary read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import urllib.parse
 from dataclasses import dataclass
 
@@ -46,12 +47,12 @@ class RegisteredRun:
     revoked: bool = False  # the run ended: its secret no longer writes (its trajectory stays registered)
     door: str | None = None  # the hash of a sandboxed run's door key: every call carrying the key is this run's
     hosts: tuple = ()  # where a run at a door may reach through the proxy (host:port, or host on 443 and 80)
-    reach: frozenset = frozenset()  # ``hosts`` as (host, port) pairs: what the door's check compares
 
-    @classmethod
-    def with_reach(cls, run: "RegisteredRun") -> "RegisteredRun":
-        return dataclasses.replace(run, hosts=tuple(run.hosts), reach=frozenset(
-            pair for entry in run.hosts for pair in host_ports(entry)))
+    @functools.cached_property
+    def reach(self) -> frozenset:
+        """``hosts`` as (host, port) pairs, what the door's check compares: parsed once per registration
+        (no field: a run goes to sibling workers as its fields)."""
+        return frozenset(pair for entry in self.hosts for pair in host_ports(entry))
 
     def admits(self, secret: str | None) -> bool:
         return not self.revoked and secret_matches(secret, self.secret_hash)
@@ -71,7 +72,8 @@ class RunTable:
             return  # read late from the file: the newer registration (a rerun's secret) stands
         if known is not None and known.door and self.doors.get(known.door) == run.trajectory_id:
             del self.doors[known.door]
-        run = RegisteredRun.with_reach(run)
+        if isinstance(run.hosts, list):  # read from JSON (the file, a sibling)
+            run = dataclasses.replace(run, hosts=tuple(run.hosts))
         self.runs[run.trajectory_id] = run
         if run.door:
             self.doors[run.door] = run.trajectory_id
