@@ -130,13 +130,15 @@ class Doors:
     def server_connect(self, data: server_hooks.ServerConnectionHookData):
         """Whatever rewrote a request after the checks above, a door's connection opens to its run's
         hosts alone."""
-        run = self.state.runs.at_door(data.client.id)
-        if run is None or data.server.address is None:
-            return
-        if not self._reaches(run, *data.server.address):
+        try:
+            run = self.state.runs.at_door(data.client.id)
+            if run is None or data.server.address is None or self._reaches(run, *data.server.address):
+                return
             data.server.error = (f"stepmill refused this connection: run {run.trajectory_id!r} reaches only its "
                                  f"LLM through the proxy (the hosts of its route and [isolation] allow_hosts)")
             log.warning(f"stepmill: refused a connection of run {run.trajectory_id!r} to {data.server.address}")
+        except Exception:
+            hook_failed("server_connect")
 
     def tcp_start(self, flow: tcp.TCPFlow):
         self._no_raw(flow)
@@ -176,7 +178,7 @@ class Doors:
 
     @staticmethod
     def _elsewhere(run: RegisteredRun, request: http.Request) -> str:
-        target = f"{request.host}:{request.port}"
+        target = f"[{request.host}]:{request.port}" if ":" in request.host else f"{request.host}:{request.port}"
         return (f"run {run.trajectory_id!r} reaches only its LLM through the proxy (the hosts of its route and "
                 f"[isolation] allow_hosts), not {request.method} {target}")
 
