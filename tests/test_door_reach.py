@@ -202,3 +202,35 @@ def test_a_host_header_naming_an_allowed_host_sends_nothing_elsewhere(reached):
     got = attempts["allowed"]
     assert got["ok"] and got["value"]["status"] == 200 and got["value"]["body"] == f"ALLOWED-{stack.marker}", got
     assert allowed.connections() == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_rewrite_is_judged_by_where_the_connection_then_goes(upstream, tmp_path):
+    """A request to the run's allowed host that a proxy setting (mitmproxy's map_remote) sends to another
+    host is refused there, nothing connected: the check reads where the connection goes after any rewrite.
+    (A host process stands in for the runner's side of the door: it holds the door key, as only the
+    runner does.)"""
+    import hashlib
+    import http.client
+
+    from .conftest import launch_proxy, stop_proxy
+
+    allowed, elsewhere = free_port(), Listener("127.0.0.1", free_port(), "SECRET-rewritten",
+                                               tmp_path / "elsewhere.log")
+    proxy = launch_proxy(tmp_path / "proxy", "http://127.0.0.1:9", "--set",
+                         f"map_remote=|//127.0.0.1:{allowed}/|//{elsewhere.target}/", upstream=upstream)
+    try:
+        client = proxy.client()
+        client.start_trajectory(trajectory_id="rewritten", group_id="rewritten")
+        client.register_run("rewritten", door=hashlib.sha256(b"the door key").hexdigest(),
+                            hosts=[f"127.0.0.1:{allowed}"])
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=15)
+        conn.request("GET", f"http://127.0.0.1:{allowed}/anything", headers={"X-Stepmill-Door": "the door key"})
+        answer = conn.getresponse()
+        body = answer.read().decode()
+        conn.close()
+    finally:
+        stop_proxy(proxy)
+        elsewhere.stop()
+    assert answer.status == 403 and "reaches only its LLM" in body and elsewhere.target in body, body
+    assert elsewhere.connections() == 0
