@@ -77,7 +77,7 @@ def first_step(uid: int | None, nproc: int) -> list[str]:
     """``sandbox_inside.py``'s command line, up to the run's command: the uid to become (a root
     runner's runs), the processes it may have at once (0: the control group holds them)."""
     become = ["--uid", str(uid), "--gid", str(uid)] if uid is not None else []
-    return [sys.executable, "-I", INSIDE, *become, *(["--nproc", str(nproc)] if nproc else []), "--"]
+    return [sys.executable, "-I", "-S", INSIDE, *become, *(["--nproc", str(nproc)] if nproc else []), "--"]
 
 
 def sandbox_command(command: list[str], *, run_dir: Path, private: Private, needs: list[Path] = (),
