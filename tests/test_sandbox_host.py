@@ -24,6 +24,7 @@ from stepmill.runner import isolation as iso
 from .conftest import STEPMILL, TESTS
 
 GRAB = TESTS / "adversary" / "host_grab.py"
+PORT_START = Path("/proc/sys/net/ipv4/ip_unprivileged_port_start")  # a run's own network opens its low ports
 SYSTEM_PYTHON = "/usr/bin/python3"
 REPORT = "STEPMILL-HOST-GRAB-REPORT "
 RUNNER_SECRETS = {"OPENAI_API_KEY": "sk-runner-secret", "HF_TOKEN": "hf_runner_secret",
@@ -85,6 +86,9 @@ def grabbed(request, proxy, tmp_path_factory):
     """The two runs' reports (keeper t01, reader t02), their trajectories, and the host before and after
     (put back where a run changed it: the code before this sandbox let it)."""
     mode = request.param
+    # Before anything of stepmill runs here (its trial of bubblewrap too).
+    before = {"core_pattern": Path("/proc/sys/kernel/core_pattern").read_text(), "hostname": socket.gethostname(),
+              "port_start": PORT_START.read_text()}
     if mode == "sandbox" and iso.bwrap_problem():
         pytest.skip(iso.bwrap_problem())
     if mode == "user" and os.geteuid() != 0:
@@ -101,7 +105,6 @@ def grabbed(request, proxy, tmp_path_factory):
     setuid_id.chmod(0o4755)  # setuid to its owner, root where the test is root: prints 0 where setuid works
     host_name = f"stepmill-host-secret-{marker}"
     host_key = add_host_key(host_name, f"HOST-SECRET-{marker}".encode())
-    before = {"core_pattern": Path("/proc/sys/kernel/core_pattern").read_text(), "hostname": socket.gethostname()}
     env = {"GRAB_HOST_KEY": str(host_key), "GRAB_HOST_KEY_NAME": host_name, "GRAB_SETUID": str(setuid_id),
            "GRAB_SHARED": str(shared), "GRAB_RECIPE": "from-the-recipe", "GRAB_FORKS": "40"}
     expose = f'["{tools}", {{ path = "{shared}", writable = true }}]'
@@ -115,6 +118,7 @@ def grabbed(request, proxy, tmp_path_factory):
         done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
                               timeout=300, env=runner_env)
         after = {"core_pattern": Path("/proc/sys/kernel/core_pattern").read_text(), "hostname": socket.gethostname(),
+                 "port_start": PORT_START.read_text(),
                  # who the runs are on the host: the owners of the files each left in the shared folder
                  "owners": {name: (shared / name).stat().st_uid for name in ("keys.json", "read.done")
                             if (shared / name).exists()}}
@@ -128,6 +132,8 @@ def grabbed(request, proxy, tmp_path_factory):
             Path("/proc/sys/kernel/core_pattern").write_text(before["core_pattern"])
         if socket.gethostname() != before["hostname"] and os.geteuid() == 0:
             socket.sethostname(before["hostname"])
+        if PORT_START.read_text() != before["port_start"] and os.geteuid() == 0:
+            PORT_START.write_text(before["port_start"])
         revoke_key(host_key)
         shutil.rmtree(base, ignore_errors=True)
     store = proxy.store()
@@ -166,6 +172,8 @@ def test_kernel_core_pattern_cannot_be_written(grabbed):
                                          f"choosing would run as root on the host)")
         assert report["core_pattern"]["error"] in ("OSError", "PermissionError"), report["core_pattern"]
     assert grabbed["after"]["core_pattern"] == grabbed["before"]["core_pattern"], "the host's core_pattern changed"
+    assert grabbed["after"]["port_start"] == grabbed["before"]["port_start"], (
+        "the host's ip_unprivileged_port_start changed (only a run's own network's may)")
 
 
 def test_the_hostname_cannot_change_and_a_run_has_its_own(grabbed):

@@ -73,11 +73,13 @@ def _base_args() -> list[str]:
     return args
 
 
-def first_step(uid: int | None, nproc: int) -> list[str]:
+def first_step(uid: int | None, nproc: int, own_network: bool = False) -> list[str]:
     """``sandbox_inside.py``'s command line, up to the run's command: the uid to become (a root
-    runner's runs), the processes it may have at once (0: the control group holds them)."""
+    runner's runs), the processes it may have at once (0: the control group holds them), whether the
+    network is the run's own (then its ports below 1024 are open to it; the host's are never changed)."""
     become = ["--uid", str(uid), "--gid", str(uid)] if uid is not None else []
-    return [sys.executable, "-I", "-S", INSIDE, *become, *(["--nproc", str(nproc)] if nproc else []), "--"]
+    return [sys.executable, "-I", "-S", INSIDE, *become, *(["--nproc", str(nproc)] if nproc else []),
+            *(["--own-network"] if own_network else []), "--"]
 
 
 def sandbox_command(command: list[str], *, run_dir: Path, private: Private, needs: list[Path] = (),
@@ -100,7 +102,7 @@ def sandbox_command(command: list[str], *, run_dir: Path, private: Private, need
 
         args.append("--unshare-net")
         command = [sys.executable, "-I", DOOR_INSIDE, *door, "--", *command]
-    command = first_step(uid, nproc) + command
+    command = first_step(uid, nproc, own_network=door is not None) + command
     args += _shown(command, needs, expose, search_path)
     args += _hidden(args, private)
     for name, source in (etc or {}).items():

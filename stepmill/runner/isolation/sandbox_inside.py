@@ -5,7 +5,8 @@ when that is root, its first process is root too. This step, before anything of 
 
 - makes ``/proc/sys`` (and ``/proc/sysrq-trigger``) read-only: nothing of the kernel's settings
   changes from inside, whoever asks;
-- lets an unprivileged process listen on any port of the run's own network (its door's ports);
+- lets an unprivileged process listen on any port of the run's own network (its door's ports;
+  ``--own-network`` only: the host's is never touched);
 - becomes ``--uid``/``--gid`` (an unprivileged host uid, never 0) when started as root;
 - enters a user namespace of its own, mapping only that uid: the run's ``root`` is nobody on the
   host, its user keyring and its count of processes (``RLIMIT_NPROC``) are its own, not its uid's;
@@ -15,7 +16,7 @@ when that is root, its first process is root too. This step, before anything of 
 Standard library only, run with ``python -I`` by path, single-threaded (``unshare`` of a user
 namespace refuses a process with threads).
 
-    sandbox_inside.py [--uid UID --gid GID] [--nproc N] -- COMMAND…
+    sandbox_inside.py [--uid UID --gid GID] [--nproc N] [--own-network] -- COMMAND…
 """
 
 import ctypes
@@ -56,7 +57,7 @@ def any_port() -> None:
         with open("/proc/sys/net/ipv4/ip_unprivileged_port_start", "w") as setting:
             setting.write("0")
     except OSError:
-        pass  # the host's network (network = "host"): left as the host has it
+        pass  # a runner that is not root: its run's door listens on ports from 1024
 
 
 def become(uid: int, gid: int) -> None:
@@ -86,9 +87,12 @@ def new_session_keyring() -> None:
 
 def main(argv: list[str]) -> int:
     split = argv.index("--")
-    options = dict(zip(argv[:split:2], argv[1:split:2]))
+    own_network = "--own-network" in argv[:split]
+    flags = [part for part in argv[:split] if part != "--own-network"]
+    options = dict(zip(flags[::2], flags[1::2]))
     command = argv[split + 1:]
-    any_port()  # before /proc/sys is read-only
+    if own_network:
+        any_port()  # before /proc/sys is read-only
     if os.geteuid() == 0:  # else /proc/sys's files refuse the run by their modes (it is not root on the host)
         read_only_proc()
     if "--uid" in options:
