@@ -126,11 +126,11 @@ class _CausalAttention:
         import torch.nn.functional as F
 
         heads, kv_heads = query.shape[1], key.shape[1]
-        key = key.repeat_interleave(heads // kv_heads, dim=1)
-        value = value.repeat_interleave(heads // kv_heads, dim=1)
-        attended = F.scaled_dot_product_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-                                                  is_causal=True, scale=self.impl.scale)
-        output[: query.shape[0]].copy_(attended.transpose(0, 1))
+        # [1, heads, tokens, head_size], contiguous: the layout a HF trainer's SDPA runs on
+        query, key, value = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (query, key, value))
+        attended = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=self.impl.scale,
+                                                  enable_gqa=heads != kv_heads)
+        output[: attended.shape[2]].copy_(attended[0].transpose(0, 1))
         return output
 
 
