@@ -298,7 +298,6 @@ def _prepare(site: RunSite, job: Job, admission: Admission, uid: int) -> Running
     """The run's folder, command and environment, as its isolation mode shapes them."""
     agent, trajectory = job.agent, job.trajectory
     run_dir = Path(tempfile.mkdtemp(prefix=encode_id(trajectory)[:80] + "-", dir=site.runs_root))
-    os.chmod(run_dir, 0o755)  # the runner's; its work and home are the run's
     place = iso.RunPlace(run_dir, trajectory, uid)
     place.workdir.mkdir()
     run_bundle = run_dir / "ca-bundle.pem"  # the run's own copy: the confdir stays hidden

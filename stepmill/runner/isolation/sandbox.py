@@ -73,13 +73,14 @@ def _base_args() -> list[str]:
     return args
 
 
-def first_step(uid: int | None, nproc: int, own_network: bool = False) -> list[str]:
+def first_step(uid: int | None, nproc: int, own_network: bool = False, workdir: Path | None = None) -> list[str]:
     """``sandbox_inside.py``'s command line, up to the run's command: the uid to become (a root
     runner's runs), the processes it may have at once (0: the control group holds them), whether the
-    network is the run's own (then its ports below 1024 are open to it; the host's are never changed)."""
+    network is the run's own (then its ports below 1024 are open to it; the host's are never changed),
+    the folder it starts in."""
     become = ["--uid", str(uid), "--gid", str(uid)] if uid is not None else []
     return [sys.executable, "-I", "-S", INSIDE, *become, *(["--nproc", str(nproc)] if nproc else []),
-            *(["--own-network"] if own_network else []), "--"]
+            *(["--own-network"] if own_network else []), *(["--chdir", str(workdir)] if workdir else []), "--"]
 
 
 def sandbox_command(command: list[str], *, run_dir: Path, private: Private, needs: list[Path] = (),
@@ -102,7 +103,7 @@ def sandbox_command(command: list[str], *, run_dir: Path, private: Private, need
 
         args.append("--unshare-net")
         command = [sys.executable, "-I", DOOR_INSIDE, *door, "--", *command]
-    command = first_step(uid, nproc, own_network=door is not None) + command
+    command = first_step(uid, nproc, own_network=door is not None, workdir=run_dir / "work") + command
     args += _shown(command, needs, expose, search_path)
     args += _hidden(args, private)
     for name, source in (etc or {}).items():
@@ -114,7 +115,7 @@ def sandbox_command(command: list[str], *, run_dir: Path, private: Private, need
             args += ["--perms", "0777", "--dir", str(path)] if path.is_dir() else ["--ro-bind", str(path), str(path)]
     else:
         args += ["--bind", str(run_dir), str(run_dir)]
-    args += ["--chdir", str(run_dir / "work"), "--"]
+    args += ["--chdir", "/", "--"]  # its work folder is entered as the run (sandbox_inside.py)
     return args + command
 
 
@@ -207,7 +208,10 @@ class Sandbox(Policy):
 
     def sees(self, place: RunPlace) -> dict[str, str]:
         home = own_home(place)
-        if self.as_root:  # its work and home are its own; the folder around them stays the runner's
+        os.chmod(place.run_dir, 0o755)  # the runner's, open to the run (its CA bundle); nothing private in it
+        for folder in (place.workdir, place.home):
+            os.chmod(folder, 0o700)  # the run's alone
+        if self.as_root:  # its work and home are its own uid's; the folder around them stays the runner's
             for folder in (place.workdir, place.home):
                 give_to(folder, place.uid)
             if place.door_folder is not None:  # its door's inside half runs as the run's uid too

@@ -11,12 +11,13 @@ when that is root, its first process is root too. This step, before anything of 
 - enters a user namespace of its own, mapping only that uid: the run's ``root`` is nobody on the
   host, its user keyring and its count of processes (``RLIMIT_NPROC``) are its own, not its uid's;
 - joins a new session keyring: no key of the runner's (nor of another run's) is in reach;
-- holds the run to ``--nproc`` processes, then executes the command with no capability left.
+- holds the run to ``--nproc`` processes, enters its work folder (``--chdir``: the run's own, which
+  root without its capabilities may not enter), then executes the command with no capability left.
 
 Standard library only, run with ``python -I`` by path, single-threaded (``unshare`` of a user
 namespace refuses a process with threads).
 
-    sandbox_inside.py [--uid UID --gid GID] [--nproc N] [--own-network] -- COMMAND…
+    sandbox_inside.py [--uid UID --gid GID] [--nproc N] [--chdir DIR] [--own-network] -- COMMAND…
 """
 
 import ctypes
@@ -104,6 +105,8 @@ def main(argv: list[str]) -> int:
         limit = int(options["--nproc"])
         resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
     new_session_keyring()
+    if "--chdir" in options:
+        os.chdir(options["--chdir"])
     os.execvp(command[0], command)
     return 127
 
