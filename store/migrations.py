@@ -260,8 +260,8 @@ def _m012_consumption_sessions(db: sqlite_utils.Database) -> None:
 
 
 def _m013_doors(db: sqlite_utils.Database) -> None:
-    # A sandboxed run's door: the loopback address its calls reach the proxy from, and the hosts
-    # (JSON list) it may reach through the proxy besides LLM calls.
+    # A sandboxed run's door, and the hosts (JSON list) it may reach through the proxy. The door column
+    # held a loopback address when it was made; it holds the hash of the run's door key now (store/runs.py).
     db["run_credentials"].add_column("door", str)
     db["run_credentials"].add_column("hosts", str)
 

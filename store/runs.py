@@ -1,5 +1,6 @@
 """The runner's registered runs (the ``run_credentials`` table): a run's trajectory written only with
-its secret, the loopback door its calls come from, revocations, and how far each run is."""
+its secret, the hash of its door's key (what binds a sandboxed run's connections to it), revocations,
+and how far each run is."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ class Runs:
     def register_run(self, trajectory_id: str, secret_hash: str, *, door: str | None = None,
                      hosts: list | None = None) -> dict:
         """The runner's run: its trajectory (which must exist) may now be written only with the secret.
-        ``door``: the loopback address a sandboxed run's calls come from (Conflict while a run not
-        revoked has it); ``hosts``: what else it may reach through the proxy."""
+        ``door``: the hash of the key a sandboxed run's door adds to its connections (Conflict while a run
+        not revoked has it); ``hosts``: the host[:port] entries it may reach through the proxy."""
         with self.tx.write() as conn:
             row = conn.execute("SELECT group_id, channel FROM trajectories WHERE id = ?", [trajectory_id]).fetchone()
             if row is None:
