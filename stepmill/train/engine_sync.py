@@ -9,8 +9,8 @@ resumed. A probe that fails leaves generation paused (SyncError): no call is sch
 failed it, and the calls the engine holds stay held until the caller resumes or aborts them.
 
 Two ways for vLLM (VLLMSync): the full weights, or a LoRA adapter (probed in the engine under a private
-id, then loaded in place under its served name). SGLang's update_weights_from_disk (SGLangSync) is written to SGLang's
-request shapes and has no in-place probe (SGLangSync says how far it goes).
+id, then loaded in place under its served name). SGLang's update_weights_from_disk (SGLangSync) is
+written to SGLang's request shapes and has no in-place probe (SGLangSync says how far it goes).
 
 vLLM's admin routes exist only with ``VLLM_SERVER_DEV_MODE=1``; ``stepmill.auth.admin_routes`` lists them
 (and SGLang's) so the proxy and a run's door refuse them: only the trainer may call them.
@@ -507,12 +507,12 @@ class SGLangSync:
     version in one call), POST /continue_generation, and the probe through POST /generate with
     ``return_logprob`` and ``logprob_start_len`` 0 (meta_info.input_token_logprobs: [logprob, id, text]).
 
-    Unlike VLLMSync, the probe runs AFTER /continue_generation: SGLang has no worker extension to run it
-    in place, and /generate is not scheduled while generation is paused, so calls in the window between
-    the resume and the probe's answer get weights not yet verified. A failed probe pauses generation again
-    (retract) and raises: what the engine served in that window is the caller's to discard (the loop uses
-    VLLMSync). Not run here: SGLang does not install on this CPU-only machine, so nothing tests it
-    against a real server yet."""
+    Unlike VLLMSync, the probe runs AFTER /continue_generation: stepmill has no extension inside SGLang's
+    workers to run it in place, and /generate is not scheduled while generation is paused, so calls in
+    the window between the resume and the probe's answer get weights not yet verified. A failed probe
+    pauses generation again (retract) and raises: what the engine served in that window is the caller's
+    to discard (the loop uses VLLMSync). Not run here: SGLang does not install on this CPU-only machine,
+    so nothing tests it against a real server yet."""
 
     def __init__(self, url: str, *, root: Path | None = None, run_dir: Path | None = None,
                  probe: Sequence[int] | None = None, tolerance: float = 1e-4, pause_mode: str = "retract",
@@ -533,7 +533,7 @@ class SGLangSync:
         phase, engine = _Phases(report), _Engine(self.url, self.timeout, version)
         with phase("save"):
             save_weights(model, folder)
-        with phase("probe_trainer"):  # before the pause: the window of unverified serving is the engine's alone
+        with phase("probe_trainer"):  # before the pause, so that the engine's answer is all that follows the resume
             expected = trainer_logprobs(model, self.probe)
         with phase("pause"):
             engine.call("POST", "/pause_generation", {"mode": self.pause_mode}, what="pausing generation")
