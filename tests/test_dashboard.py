@@ -28,6 +28,7 @@ SLOW_AGENT = [sys.executable, "-c", ("import runpy, sys, time\ntime.sleep(3)\n"
                                     "alter_sys=True)\nfinally:\n    time.sleep(3)")]
 
 
+@pytest.mark.slow  # a whole rollout watched in the browser: about a minute
 @needs_chromium
 @pytest.mark.timeout(240)
 def test_the_live_page_follows_a_rollout_without_reloading(proxy, marker, tmp_path):

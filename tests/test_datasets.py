@@ -162,6 +162,7 @@ def _scored(store, name, reward=None):
     return [(trajectory_input(store, row), rewards[row["id"]]) for row in rows]
 
 
+@pytest.mark.slow  # a whole rollout: about 25 s
 @pytest.mark.timeout(400)
 def test_a_reasoning_gym_rollout_scored_by_the_tasks_own_scorer(proxy, simulated_llm, marker, tmp_path):
     """chain_sum through both shipped agents: the simulated LLM computes (or slips), the task's own

@@ -135,6 +135,7 @@ def test_a_database_locked_for_10_seconds_stalls_no_stream(tmp_path, upstream, m
         stop_proxy(proxy)
 
 
+@pytest.mark.slow  # about 50 s: two proxies, the UI and the CLI's processes
 def test_many_processes_on_one_file(tmp_path, upstream, marker):
     """Two proxies, Datasette, `tokenize` (a writer), exports and stats on one file while traffic flows."""
     from stepmill.qwen_vocab import QWEN_TEMPLATE as KEEP_THINKING
