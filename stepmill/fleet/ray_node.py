@@ -12,7 +12,6 @@ against the node's proxy, in a run folder of the node's.
 from __future__ import annotations
 
 import os
-import queue
 import socket
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from stepmill.children import die_with_parent, free_port
 from stepmill.private_files import private_opener
 from stepmill.runner.agent_run import Job, Outcome, RunSite, new_runs_root, register, run_one, white_box_tokenizer
 from stepmill.runner.config import Config
+from stepmill.runner.isolation import UidLeases
 from stepmill.runner.proxy_env import ensure_bundle
 from stepmill.runner.proxy_handle import ProxyHandle, stop_process
 
@@ -196,14 +196,14 @@ def _node_address() -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def run_on_node(config: Config, where: Where, mode: str, job: Job, secret: str, slot: int) -> Outcome | None:
+def run_on_node(config: Config, where: Where, mode: str, job: Job, secret: str) -> Outcome | None:
     """A run's Ray task, on its node: exactly a local run, through the node's proxy. Cancelling the task
     (the runner's Ctrl-C) stops the run's process group; its trajectory stays open for a resume."""
     proxy = ProxyHandle.reached(url=where.proxy_url, reverse_url=where.reverse_url, confdir=where.confdir,
                                 db=where.db)
-    slots: queue.SimpleQueue = queue.SimpleQueue()
-    slots.put(slot)  # the runner hands out a node's slots: concurrent runs of a node never share a uid
-    site = RunSite(config, proxy, mode, Path(where.runs_root), Path(where.bundle), slots, white_box_tokenizer(config))
+    # The run's uid is leased on its machine: runs of other nodes there, or of other rollouts, never share it.
+    site = RunSite(config, proxy, mode, Path(where.runs_root), Path(where.bundle),
+                   UidLeases(config.isolation.first_uid), white_box_tokenizer(config))
     try:
         return run_one(site, job, secret)
     except BaseException:  # KeyboardInterrupt or Ray's cancellation

@@ -210,7 +210,7 @@ def _drive(config: Config, mode: str, progress: bool, fleet, coordinator_url: st
                 job, slot = queues[name].popleft(), free[name].pop(0)
                 ref = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
                     wheres[name].ray_node_id, soft=False)).remote(config, wheres[name], mode, job,
-                                                                  secrets[job.trajectory], slot)
+                                                                  secrets[job.trajectory])
                 running[ref] = (name, job, slot)
 
     def totals() -> dict:

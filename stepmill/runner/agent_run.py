@@ -10,7 +10,6 @@ import hashlib
 import json
 import math
 import os
-import queue
 import re
 import shutil
 import subprocess
@@ -70,7 +69,7 @@ class RunSite:
     mode: str  # the isolation runs use (isolation.resolve)
     runs_root: Path
     bundle: Path  # the proxy's CA with the system's, copied into each run's folder
-    slots: queue.SimpleQueue  # user mode: concurrent runs never share a uid
+    uids: iso.UidLeases  # the host uids runs become (user mode, a root runner's sandbox): one run each
     white_box_tokenizer: str | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     processes: dict = field(default_factory=dict)
@@ -253,16 +252,16 @@ def run_one(site: RunSite, job: Job, admission: Admission) -> Outcome | None:
 def _run_one(site: RunSite, job: Job, admission: Admission) -> Outcome | None:
     if site.stop.is_set():
         return None
-    slot = site.slots.get()
+    uid = site.uids.take()
     running = None
     try:
-        running = _prepare(site, job, admission, site.config.isolation.first_uid + slot)
+        running = _prepare(site, job, admission, uid)
         _launch(site, running)
         _wait(site, running)
     finally:
         if running is not None:
             site.policy.end(running.place)  # however it ended: what its mode leaves behind goes
-        site.slots.put(slot)  # a run that failed to start frees its uid too
+        site.uids.give(uid)  # a run that failed to start frees its uid too
         if admission.door is not None:
             site.doors.close(job.trajectory)
             site.doors.forget(job.trajectory)  # its step reader is done (or given up on)

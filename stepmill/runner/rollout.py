@@ -136,13 +136,11 @@ def rollout_through(config: Config, proxy: ProxyHandle, *, progress: bool = True
     if run.policy_version is not None:  # stamped on every step from now on, captured or submitted
         proxy.client.set_policy_version(run.policy_version)
     report.isolation = mode
-    slots: queue.SimpleQueue = queue.SimpleQueue()  # user mode: concurrent runs never share a uid
-    for slot in range(run.concurrency):
-        slots.put(slot)
     runs_root = new_runs_root(runs_folder(proxy.db, run.runs_dir), run.keep_runs_days)
     if mode == "user":
         iso.check_reachable(runs_root)
-    site = RunSite(config, proxy, mode, runs_root, ensure_bundle(proxy.confdir), slots,
+    uids = iso.UidLeases(config.isolation.first_uid)  # leased machine-wide: other rollouts' runs never share one
+    site = RunSite(config, proxy, mode, runs_root, ensure_bundle(proxy.confdir), uids,
                    white_box_tokenizer(config))
     admissions: dict = {}  # trajectory -> its Admission (None while its registration is under way)
     ended: set = set()  # runs that revoked their own secret as they ended (one stopped before it started did not)

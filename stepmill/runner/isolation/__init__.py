@@ -25,13 +25,14 @@ from stepmill.runner.isolation.environment import agent_environment, check_pass_
 from stepmill.runner.isolation.files import Exposed, Private, code_paths, exposed
 from stepmill.runner.isolation.policy import Policy, RunPlace
 from stepmill.runner.isolation.sandbox import bwrap_problem
+from stepmill.runner.isolation.uids import UidLeases
 from stepmill.runner.limits import Limits
 
 # Each mode's module (its ``POLICY`` class): a new mode is a new module and its line here.
 MODULES = {"sandbox": "sandbox", "user": "user", "container": "container", "none": "host"}
 MODES = ("auto", *MODULES)
 __all__ = ["MODES", "Exposed", "Isolation", "IsolationError", "Policy", "Private", "RunPlace", "agent_environment",
-           "bwrap_problem", "code_paths", "policy", "resolve"]
+           "UidLeases", "bwrap_problem", "code_paths", "policy", "resolve"]
 
 
 class IsolationError(ConfigError):
@@ -41,7 +42,7 @@ class IsolationError(ConfigError):
 @dataclass
 class Isolation:
     mode: str = "auto"
-    first_uid: int = 61000  # user mode, and a root runner's sandbox: the uids of concurrent runs start here
+    first_uid: int = 61000  # user mode, and a root runner's sandbox: the uids runs are leased start here (uids.py)
     prefix: list = field(default_factory=list)  # container mode
     # sandbox: more the runs see: "/path" (read-only) or { path = "/path", writable = true }
     expose: list = field(default_factory=list)

@@ -18,7 +18,7 @@ class RunPlace:
 
     run_dir: Path  # the run's folder: work/, home/, its CA bundle, its log
     trajectory: str
-    uid: int  # its slot's uid: concurrent runs never share one
+    uid: int  # the uid leased to it (uids.py): no other run of the machine has it meanwhile
     needs: list[Path] = field(default_factory=list)  # more it must see (a sandbox's tokenizer, modules)
     door: list[str] | None = None  # a sandboxed run's door: door_inside.py's arguments
     door_folder: Path | None = None  # where that door's sockets are

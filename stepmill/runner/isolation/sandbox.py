@@ -7,7 +7,7 @@
 - Its own PID, IPC, UTS (hostname ``stepmill-run``) and cgroup namespaces; with ``network = "own"``
   its own network, whose only way out is its door to the proxy (``door.py``).
 - Never root on the host: started by a root runner, its first step (``sandbox_inside.py``) becomes
-  the slot's uid (``first_uid + slot``); started by another user, it stays that user. Either way it
+  the uid leased to the run (``uids.py``, from ``first_uid``); started by another user, it stays that user. Either way it
   then enters a user namespace of its own mapping only that uid, so its user keyring and its count
   of processes are its own; it joins a new session keyring; ``/proc/sys`` is read-only (by mount
   where the runner is root, by the files' modes everywhere: the run is not root); it runs with no
@@ -204,7 +204,7 @@ class Sandbox(Policy):
 
     def __init__(self, isolation, private: Private):
         super().__init__(isolation, private)
-        self.as_root = os.geteuid() == 0  # then each run becomes its slot's uid
+        self.as_root = os.geteuid() == 0  # then each run becomes its leased uid
 
     def sees(self, place: RunPlace) -> dict[str, str]:
         home = own_home(place)

@@ -1,5 +1,5 @@
-"""``isolation = user``: each concurrent run as another OS user (uids ``first_uid``, ``first_uid + 1``,
-…; the runner must be root). No namespace of its own: it sees the host's files, processes and
+"""``isolation = user``: each run as another OS user (a uid from ``first_uid`` on, leased to it alone on
+the machine by ``uids.py``; the runner must be root). No namespace of its own: it sees the host's files, processes and
 network as any user does, so what protects the runner's data is file modes. Files stepmill creates
 are owner-only; a dataset file other users can read is refused (``check_dataset``). It runs with
 ``no_new_privs`` (no setuid binary gives it more) and a new session keyring. What a run of a uid
