@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo proxy ui docs docs-build test bench bench-proxy bench-store bench-ui bench-engine bench-train bench-loop
+.PHONY: demo proxy ui docs docs-build test test-fast test-slow bench bench-proxy bench-store bench-ui bench-engine bench-train bench-loop
 
 $(PY): pyproject.toml
 	"$$(.ci/find-python)" -m venv $(VENV)
@@ -28,8 +28,12 @@ docs-build: $(PY)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # The fast tests first, then the end-to-end ones (a real engine, cluster or trainer: marked slow).
-test: $(PY)
+test: test-fast test-slow
+
+test-fast: $(PY)
 	$(PY) -m pytest -q -m "not slow"
+
+test-slow: $(PY)
 	$(PY) -m pytest -q -m slow
 
 bench: $(PY)
