@@ -8,7 +8,7 @@ import click
 
 from stepmill.cli.options import config_db_option, on_interrupt, stop_on_signals
 from stepmill.errors import ConfigError
-from stepmill.train.config import AGGREGATIONS, LAYOUTS, METHODS, MODES
+from stepmill.train.config import AGGREGATIONS, ATTENTIONS, DTYPES, LAYOUTS, METHODS, MODES
 
 
 @on_interrupt("interrupted: the groups a step had claimed go back when their lease runs out; what ran is kept")
@@ -28,6 +28,11 @@ from stepmill.train.config import AGGREGATIONS, LAYOUTS, METHODS, MODES
 @click.option("--max-staleness", type=click.IntRange(0), default=None)
 @click.option("--engine", default=None, help="The engine's admin origin (default: [route] base_url's).")
 @click.option("--seed", type=int, default=None)
+@click.option("--device", default=None, help="auto (CUDA when present), cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(DTYPES), default=None, help="auto: bfloat16 on a GPU, float32 on the CPU.")
+@click.option("--attention", type=click.Choice(ATTENTIONS), default=None)
+@click.option("--micro-batch-tokens", type=click.IntRange(0), default=None,
+              help="Real tokens per forward/backward, gradients accumulated (0: the whole batch).")
 @click.option("--control/--no-control", default=None, help="Run the paired control (same seeds, no optimizer step).")
 @click.option("--name", default="train", show_default=True, help="The run's name in train_metrics.")
 @click.option("--no-progress", is_flag=True)

@@ -16,7 +16,13 @@
     kl = 0.0                      # weight of a KL term to the starting weights (0: none, and no reference kept)
     max_staleness = 1             # async: groups older than this many versions are set aside, never trained on
     engine = "http://127.0.0.1:8000"   # the engine's admin origin (default: [route] base_url's origin)
-    tolerance = 1e-4              # the probe's largest engine-vs-trainer logprob gap after a sync
+    tolerance = 1e-4              # the probe's largest engine-vs-trainer logprob gap after a sync (default:
+                                  # the dtype's, TOLERANCES)
+    device = "auto"               # auto (CUDA when present, else the CPU) | cpu | cuda | cuda:N
+    dtype = "auto"                # auto (bfloat16 on a GPU, float32 on the CPU) | bfloat16 | float32
+    attention = "auto"            # auto (FlexAttention for the tree on CUDA, else SDPA) | sdpa | eager | flex
+    gradient_checkpointing = false  # recompute each layer's activations in the backward (less memory)
+    micro_batch_tokens = 0        # real tokens per forward/backward, gradients accumulated (0: the whole batch)
     control = true                # also run the paired control: same seeds and tasks, no optimizer step
     seed = 0
     val_every = 0                 # roll out the val dataset every k versions (0: never)
@@ -38,6 +44,11 @@ METHODS = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 LAYOUTS = ("steps", "rows", "tree")
 AGGREGATIONS = ("token", "sequence", "sum_norm")
 MODES = ("sync", "async")
+DEVICES = ("auto", "cpu", "cuda")  # and cuda:N
+DTYPES = ("auto", "bfloat16", "float32")
+ATTENTIONS = ("auto", "sdpa", "eager", "flex")
+# the probe's default tolerance per dtype: the largest engine-vs-trainer logprob gap a sync may show
+TOLERANCES = {"float32": 1e-4, "bfloat16": 0.1}
 
 
 @dataclass
@@ -56,26 +67,41 @@ class TrainConfig:
     kl: float = 0.0
     max_staleness: int = 1
     engine: str | None = None
-    tolerance: float = 1e-4
+    tolerance: float | None = None
     control: bool = True
     seed: int = 0
     val_every: int = 0
     val_dataset: str | None = None
     consumer: str = "local"
+    device: str = "auto"
+    dtype: str = "auto"
+    attention: str = "auto"
+    gradient_checkpointing: bool = False
+    micro_batch_tokens: int = 0
 
     def check(self, where: str = "[train]") -> "TrainConfig":
-        choices = {"method": METHODS, "layout": LAYOUTS, "aggregation": AGGREGATIONS, "mode": MODES}
+        choices = {"method": METHODS, "layout": LAYOUTS, "aggregation": AGGREGATIONS, "mode": MODES,
+                   "dtype": DTYPES, "attention": ATTENTIONS}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed and not (key == "aggregation" and self.aggregation is None):
                 raise ConfigError(f"{where}: {key} must be one of {', '.join(allowed)}, not {getattr(self, key)!r}")
         if not isinstance(self.epochs, int) or isinstance(self.epochs, bool) or self.epochs < 1:
             raise ConfigError(f"{where}: epochs must be a positive integer, not {self.epochs!r}")
-        for key in ("iterations", "max_staleness", "val_every", "seed", "norm_length"):
+        if not isinstance(self.device, str) or not (self.device in DEVICES or _cuda_index(self.device)):
+            raise ConfigError(f"{where}: device must be auto, cpu, cuda or cuda:N, not {self.device!r}")
+        if not isinstance(self.gradient_checkpointing, bool):
+            raise ConfigError(f"{where}: gradient_checkpointing must be true or false, not {self.gradient_checkpointing!r}")
+        if self.attention == "flex" and self.layout != "tree":
+            raise ConfigError(f"{where}: attention = \"flex\" is the tree layout's (its block mask); "
+                              f"layout {self.layout!r} takes sdpa or eager")
+        for key in ("iterations", "max_staleness", "val_every", "seed", "norm_length", "micro_batch_tokens"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{where}: {key} must be a non-negative integer, not {value!r}")
         for key in ("lr", "clip_low", "clip_high", "kl", "tolerance"):
             value = getattr(self, key)
+            if key == "tolerance" and value is None:
+                continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{where}: {key} must be a non-negative number, not {value!r}")
         if not self.model:
@@ -83,6 +109,42 @@ class TrainConfig:
         if self.val_every and not self.val_dataset:
             raise ConfigError(f"{where}: val_every needs val_dataset (a [[dataset]] name)")
         return self
+
+    def torch_device(self) -> str:
+        """The device the trainer runs on: ``auto`` is CUDA when torch sees one."""
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"[train] device = {self.device!r}, but torch sees no CUDA device")
+        return self.device
+
+    def torch_dtype(self) -> str:
+        """``bfloat16`` or ``float32``: ``auto`` is bfloat16 on a GPU, float32 on the CPU."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.torch_device().startswith("cuda") else "float32"
+
+    def attention_implementation(self) -> str:
+        """The attention kernel the model is loaded with (transformers' name): ``auto`` is FlexAttention
+        for the tree on CUDA (its block mask; torch has no FlexAttention backward on the CPU), else SDPA."""
+        if self.attention == "flex" and not self.torch_device().startswith("cuda"):
+            raise ConfigError("[train] attention = \"flex\" needs a CUDA device: torch has no FlexAttention "
+                              "backward on the CPU")
+        if self.attention == "auto":
+            flex = self.layout == "tree" and self.torch_device().startswith("cuda")
+            return "flex_attention" if flex else "sdpa"
+        return {"flex": "flex_attention"}.get(self.attention, self.attention)
+
+    def probe_tolerance(self) -> float:
+        """The probe's tolerance: the file's, else the one of the dtype the weights are served in."""
+        return self.tolerance if self.tolerance is not None else TOLERANCES[self.torch_dtype()]
+
+
+def _cuda_index(device: str) -> bool:
+    prefix, _, number = device.partition(":")
+    return prefix == "cuda" and number.isdigit()
 
 
 def load_train(path: str | Path, **overrides) -> TrainConfig:

@@ -20,18 +20,18 @@ A trained token at position 0 of its sequence has no context to be predicted fro
 
 from __future__ import annotations
 
-import inspect
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 
 from stepmill.errors import BadInput, ConfigError
 from stepmill.trainer_bridge.layouts import Batch
 from stepmill.trainer_bridge.prefix_tree import flex_mask_mod, pack_tree
 
-from stepmill.train.methods import Method, advantages, policy_loss
+from stepmill.train.methods import Method, advantages, policy_loss, token_weights
 
 LAYOUTS = ("steps", "rows", "tree")
 ATTENTION = ("auto", "flex", "dense")
@@ -124,11 +124,40 @@ def _trajectories(trajectory_ids: list, groups: list, orders: list, scores: list
 
 
 # -- forwards ---------------------------------------------------------------------------------------
-def _logits_at(model, positions: torch.Tensor, **inputs) -> torch.Tensor:
-    """Logits (B, len(positions), V) at the given sequence positions only (``logits_to_keep``)."""
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        return model(**inputs, logits_to_keep=positions, use_cache=False).logits
-    return model(**inputs, use_cache=False).logits[:, positions]
+LOGPROB_CHUNK = 1024  # positions per lm_head → log_softmax chunk: [chunk, V] logits alive at a time
+
+
+def _hidden_states(model, **inputs) -> torch.Tensor:
+    """The last hidden states (B, T, H) of the model's body, before the lm_head: logits are made
+    later, only where a trained token is predicted."""
+    return model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+
+
+def _chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, entropy: bool):
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return _token_stats(logits, targets, entropy)
+
+
+def _logprobs_from_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, entropy: bool,
+                          chunk: int = LOGPROB_CHUNK):
+    """Each row of ``hidden`` (N, H) through the lm_head and a log-softmax, ``chunk`` rows at a
+    time; with gradients each chunk is recomputed in the backward (checkpointed), so only its (N,)
+    results are kept, never an [N, V] logits tensor."""
+    head = model.get_output_embeddings()
+    logps, ents = [], []
+    for start in range(0, len(hidden), chunk):
+        part = (hidden[start:start + chunk], head.weight, head.bias, targets[start:start + chunk],
+                entropy)
+        if torch.is_grad_enabled():
+            logp, ent = torch.utils.checkpoint.checkpoint(_chunk_stats, *part, use_reentrant=False)
+        else:
+            logp, ent = _chunk_stats(*part)
+        logps.append(logp)
+        ents.append(ent)
+    if not logps:
+        empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
+        return empty, (empty if entropy else None)
+    return torch.cat(logps), (torch.cat(ents) if entropy else None)
 
 
 def _token_stats(logits: torch.Tensor, targets: torch.Tensor, entropy: bool):
@@ -140,23 +169,24 @@ def _token_stats(logits: torch.Tensor, targets: torch.Tensor, entropy: bool):
 
 
 def _padded_view(model, batch: Batch, entropy: bool) -> TokenView:
+    """``model=None``: the view's plan alone (which tokens, their trajectories and rewards), no forward."""
     t = batch.tensors
-    device = model.device
     trained, logprobs, scores = _full_width(batch)
     positions = t["position_ids"]
     usable = trained & (positions > 0)
     skipped = int((trained & (positions == 0)).sum())
     rows, cols = np.nonzero(usable)  # row-major: each row's tokens in order
-    columns, inverse = np.unique(cols - 1, return_inverse=True)  # the logits that predict them
-    logits = _logits_at(model, torch.from_numpy(columns).to(device),
-                        input_ids=torch.from_numpy(t["input_ids"]).to(device),
-                        attention_mask=padded_attention_mask(model, torch.from_numpy(t["attention_mask"]).to(device)),
-                        position_ids=torch.from_numpy(positions).to(device))
-    picked = logits[torch.from_numpy(rows).to(device), torch.from_numpy(inverse).to(device)]
-    targets = torch.from_numpy(t["input_ids"][rows, cols]).to(device)
-    logp, ent = _token_stats(picked, targets, entropy)
     seq_to_traj, ids, groups, rewards = _trajectories(
         list(batch.meta["trajectory_id"]), list(batch.meta["uid"]), _orders(batch), scores.sum(axis=1).tolist())
+    device = model.device if model is not None else torch.device("cpu")
+    logp = ent = None
+    if model is not None:
+        hidden = _hidden_states(model, input_ids=torch.from_numpy(t["input_ids"]).to(device),
+                                attention_mask=padded_attention_mask(model, torch.from_numpy(t["attention_mask"]).to(device)),
+                                position_ids=torch.from_numpy(positions).to(device))
+        # the hidden state at cols - 1 predicts the token at cols
+        picked = hidden[torch.from_numpy(rows).to(device), torch.from_numpy(cols - 1).to(device)]
+        logp, ent = _logprobs_from_hidden(model, picked, torch.from_numpy(t["input_ids"][rows, cols]).to(device), entropy)
     return TokenView(logp, torch.from_numpy(logprobs[rows, cols]).to(device),
                      torch.tensor(seq_to_traj, dtype=torch.long)[torch.from_numpy(rows)].to(device),
                      rewards.to(device), groups, ids, ent, skipped)
@@ -214,8 +244,8 @@ def tree_attention_mask(model, subtree_end: np.ndarray, attention: str = "auto")
 
 
 def _tree_view(model, batch: Batch, entropy: bool, attention: str) -> TokenView:
+    """``model=None``: the view's plan alone, no forward."""
     t = batch.tensors
-    device = model.device
     offsets, positions = t["seq_offsets"], t["seq_positions"]
     n = len(offsets) - 1
     entry_seq = np.repeat(np.arange(n), np.diff(offsets))  # the sequence of each CSR entry
@@ -223,19 +253,21 @@ def _tree_view(model, batch: Batch, entropy: bool, attention: str) -> TokenView:
     trained = t["seq_loss_mask"].astype(bool)
     usable = np.flatnonzero(trained & (depth > 0))
     skipped = int((trained & (depth == 0)).sum())
-    # the logits predicting a sequence's token j sit at the packed position of its token j - 1
-    predecessors, inverse = np.unique(positions[usable - 1], return_inverse=True)
-    mask = tree_attention_mask(model, t["subtree_end"], attention)
-    logits = _logits_at(model, torch.from_numpy(predecessors).to(device),
-                        input_ids=torch.from_numpy(t["input_ids"])[None].to(device),
-                        position_ids=torch.from_numpy(t["position_ids"])[None].to(device), attention_mask=mask)[0]
-    picked = logits[torch.from_numpy(inverse).to(device)]
-    targets = torch.from_numpy(t["input_ids"][positions[usable]]).to(device)
-    logp, ent = _token_stats(picked, targets, entropy)
     seq_scores = np.add.reduceat(t["seq_scores"], offsets[:-1]) if len(positions) else np.zeros(n)
     seq_scores = np.where(np.diff(offsets) > 0, seq_scores, 0.0)  # reduceat repeats a value for empty ranges
     seq_to_traj, ids, groups, rewards = _trajectories(
         list(batch.meta["trajectory_id"]), list(batch.meta["uid"]), list(batch.meta["order"]), seq_scores.tolist())
+    device = model.device if model is not None else torch.device("cpu")
+    logp = ent = None
+    if model is not None:
+        mask = tree_attention_mask(model, t["subtree_end"], attention)
+        hidden = _hidden_states(model, input_ids=torch.from_numpy(t["input_ids"])[None].to(device),
+                                position_ids=torch.from_numpy(t["position_ids"])[None].to(device),
+                                attention_mask=mask)[0]
+        # a sequence's token j is predicted from the packed position of its token j - 1
+        picked = hidden[torch.from_numpy(positions[usable - 1]).to(device)]
+        logp, ent = _logprobs_from_hidden(model, picked, torch.from_numpy(t["input_ids"][positions[usable]]).to(device),
+                                          entropy)
     return TokenView(logp, torch.from_numpy(t["seq_log_probs"][usable]).to(device),
                      torch.tensor(seq_to_traj, dtype=torch.long)[torch.from_numpy(entry_seq[usable])].to(device),
                      rewards.to(device), groups, ids, ent, skipped)
@@ -277,3 +309,56 @@ def loss(model, batch: Batch, layout: str, method: Method, *, ref_model=None, en
         with torch.no_grad():
             ref = token_view(ref_model, batch, layout, attention=attention).logprobs
     return view_loss(view, method, ref_logprobs=ref)
+
+
+# -- micro-batches --------------------------------------------------------------------------------
+MEAN_STATS = ("clip_fraction", "clip_fraction_lower", "ratio_mean", "approx_kl")  # per-token means
+SUM_STATS = ("loss", "policy_loss", "kl", "entropy")  # weighted sums: a micro-batch's part of the whole
+
+
+def micro_batch_loss(model, chunks: list[Batch], layout: str, plan: TokenView, method: Method, *, ref_model=None,
+                     attention: str = "auto", backward: bool = True) -> dict:
+    """The method's loss over ``chunks``, micro-batches of one batch whose ``plan`` (``token_view``
+    without a model) names every trained token, its trajectory and each trajectory's reward. Each
+    micro-batch's part is backpropagated (``backward``) before the next one's forward, so gradients
+    accumulate to the whole batch's while one micro-batch's activations are alive: advantages and
+    aggregation weights are the whole batch's, and every token weighs what it weighs in one batch."""
+    entropy = bool(method.entropy_coef)
+    adv = advantages(plan.rewards, plan.groups, method, lengths=plan.lengths())
+    weight_of = torch.zeros(plan.n_seqs, dtype=torch.float64).index_put_(
+        (plan.seq_index.cpu(),), token_weights(plan.seq_index.cpu(), plan.n_seqs, method))  # one per trajectory
+    index = {trajectory: k for k, trajectory in enumerate(plan.trajectory_ids)}
+    stats: dict = {"tokens": 0, "ratio_max": 1.0}
+    for chunk in chunks:
+        with torch.set_grad_enabled(backward):
+            view = token_view(model, chunk, layout, entropy=entropy, attention=attention)
+            seq = torch.tensor([index[t] for t in view.trajectory_ids], dtype=torch.long)[view.seq_index.cpu()]
+            ref = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref = token_view(ref_model, chunk, layout, attention=attention).logprobs
+            device = view.logprobs.device
+            part, part_stats = policy_loss(view.logprobs, view.old_logprobs, adv[seq].to(device), seq.to(device),
+                                           plan.n_seqs, method, ref_logprobs=ref, entropy=view.entropy,
+                                           weights=weight_of[seq].to(device))
+        if backward and part.requires_grad:
+            part.backward()
+        _add_stats(stats, part_stats)
+    if stats["tokens"] != len(plan.seq_index):
+        raise BadInput(f"the micro-batches hold {stats['tokens']} trained tokens, the batch {len(plan.seq_index)}")
+    for key in MEAN_STATS:
+        stats[key] = stats.get(key, 0.0) / max(stats["tokens"], 1)
+    stats.update(trajectories=plan.n_seqs, skipped_tokens=plan.skipped, micro_batches=len(chunks),
+                 reward_mean=float(plan.rewards.mean()) if plan.n_seqs else 0.0)
+    return stats
+
+
+def _add_stats(total: dict, part: dict) -> None:
+    tokens = part["tokens"]
+    total["tokens"] += tokens
+    total["ratio_max"] = max(total["ratio_max"], part["ratio_max"]) if tokens else total["ratio_max"]
+    for key in MEAN_STATS:
+        total[key] = total.get(key, 0.0) + part[key] * tokens
+    for key in SUM_STATS:
+        if key in part:
+            total[key] = total.get(key, 0.0) + part[key]

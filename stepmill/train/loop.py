@@ -67,7 +67,7 @@ def engine_sync(train: TrainConfig, url: str, served_model: str):
     """How the engine gets each new policy: vLLM's in-place reload of the full weights, verified by the probe."""
     from stepmill.train.engine_sync import VLLMSync
 
-    return VLLMSync(url, served_model, tolerance=train.tolerance)
+    return VLLMSync(url, served_model, tolerance=train.probe_tolerance())
 
 
 class Loop:
@@ -130,7 +130,7 @@ class Loop:
         self.version = version
         self.policy.serving(version)
         return {"sync_s": report.total_seconds, "engine_paused_s": report.paused_seconds,
-                "logprob_gap": report.gap, "tolerance": self.train.tolerance}
+                "logprob_gap": report.gap, "tolerance": self.engine.tolerance}
 
     def _end_held_calls(self) -> None:
         """After a failed sync: if the engine stayed paused, end the calls it holds (never served, since)."""

@@ -130,22 +130,32 @@ def advantages(rewards: torch.Tensor, groups: Sequence | torch.Tensor, method: M
     return scores
 
 
-def aggregate(values: torch.Tensor, seq_index: torch.Tensor, n_seqs: int, method: Method) -> torch.Tensor:
-    """Per-token values to a scalar: "token" (their mean), "sequence" (the mean over trajectories
-    with trained tokens of each one's mean), "sum_norm" (their sum / (trajectories * norm_length))."""
-    if values.numel() == 0:
-        return values.sum()
+def token_weights(seq_index: torch.Tensor, n_seqs: int, method: Method, dtype=torch.float64) -> torch.Tensor:
+    """Each token's weight in the method's aggregation, so that the loss is ``(values * weights).sum()``:
+    "token" 1/N, "sequence" 1/(its trajectory's tokens × trajectories with tokens), "sum_norm"
+    1/(trajectories with tokens × norm_length). Weights over a whole batch let micro-batches sum to it."""
     if method.aggregation == "token":
-        return values.sum() / values.numel()
-    counts = torch.zeros(n_seqs, dtype=values.dtype, device=values.device).index_add_(
-        0, seq_index, torch.ones_like(values))
-    present = counts > 0
+        return torch.full(seq_index.shape, 1.0 / max(seq_index.numel(), 1), dtype=dtype, device=seq_index.device)
+    counts = torch.zeros(n_seqs, dtype=dtype, device=seq_index.device).index_add_(
+        0, seq_index, torch.ones(seq_index.shape, dtype=dtype, device=seq_index.device))
+    present = max(int((counts > 0).sum()), 1)
     if method.aggregation == "sequence":
-        sums = torch.zeros(n_seqs, dtype=values.dtype, device=values.device).index_add_(0, seq_index, values)
-        return (sums[present] / counts[present]).sum() / present.sum()
+        return 1.0 / (counts[seq_index] * present)
     if not method.norm_length:
         raise ConfigError(f"{method.name}: aggregation 'sum_norm' needs norm_length (the generation budget in tokens)")
-    return values.sum() / (present.sum() * method.norm_length)
+    return torch.full(seq_index.shape, 1.0 / (present * method.norm_length), dtype=dtype, device=seq_index.device)
+
+
+def aggregate(values: torch.Tensor, seq_index: torch.Tensor, n_seqs: int, method: Method,
+              weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token values to a scalar: "token" (their mean), "sequence" (the mean over trajectories
+    with trained tokens of each one's mean), "sum_norm" (their sum / (trajectories * norm_length));
+    ``weights``: the tokens' ``token_weights`` over a larger batch this one is part of."""
+    if values.numel() == 0:
+        return values.sum()
+    if weights is None:
+        weights = token_weights(seq_index, n_seqs, method, values.dtype)
+    return (values * weights.to(values.dtype)).sum()
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -159,9 +169,10 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, token_advantages: torch.Tensor,
                 seq_index: torch.Tensor, n_seqs: int, method: Method, *, ref_logprobs: torch.Tensor | None = None,
-                entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                entropy: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The clipped surrogate on flat trained tokens (all 1-D, one entry a token). ``old_logprobs``:
-    the engine's (behaviour policy). Returns the loss and its stats (floats): clip fractions, ratio
+    the engine's (behaviour policy); ``weights``: the tokens' aggregation weights when they are one
+    micro-batch of a larger batch (``token_weights`` over it). Returns the loss and its stats (floats): clip fractions, ratio
     mean and max, the policy's approximate KL to the behaviour policy, KL to the reference, entropy."""
     old = old_logprobs.to(logprobs.dtype)
     adv = token_advantages.to(logprobs.dtype)
@@ -176,7 +187,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, token_advant
         loss3 = -adv * method.clip_ratio_c
         lower = (clipped > loss3) & (adv < 0)
         losses = torch.where(adv < 0, torch.minimum(clipped, loss3), clipped)
-    loss = aggregate(losses, seq_index, n_seqs, method)
+    loss = aggregate(losses, seq_index, n_seqs, method, weights)
     stats = {}
     with torch.no_grad():
         count = max(logprobs.numel(), 1)
@@ -191,11 +202,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, token_advant
         if ref_logprobs is None:
             raise ConfigError(f"{method.name}: kl_coef needs the reference policy's logprobs")
         kl = aggregate(kl_penalty(logprobs, ref_logprobs.to(logprobs.dtype), method.kl_estimator), seq_index,
-                       n_seqs, method)
+                       n_seqs, method, weights)
         loss = loss + method.kl_coef * kl
         stats["kl"] = float(kl.detach())
     if entropy is not None:
-        mean_entropy = aggregate(entropy, seq_index, n_seqs, method)
+        mean_entropy = aggregate(entropy, seq_index, n_seqs, method, weights)
         if method.entropy_coef:
             loss = loss - method.entropy_coef * mean_entropy
         stats["entropy"] = float(mean_entropy.detach())

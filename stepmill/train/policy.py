@@ -6,40 +6,42 @@ from __future__ import annotations
 import copy
 import math
 
-import numpy as np
 import torch
 
-from stepmill.trainer_bridge.layouts import concat_step_batches, rows_from_step_batch, trajectory_batch
+from stepmill.trainer_bridge.layouts import concat_step_batches
 
 from stepmill.train.config import TrainConfig
-from stepmill.train.forward import loss as layout_loss, pack_batch, token_view
+from stepmill.train.forward import micro_batch_loss, token_view
 from stepmill.train.methods import method as rl_method
+from stepmill.train.micro_batches import layout_batch, select_rows
 
 
-def load_model(folder: str, seed: int):
-    """The weights the engine serves at the start, in float32 on the CPU (what the engine computes in)."""
+def load_model(folder: str, seed: int, *, device: str = "cpu", dtype: str = "float32", attention: str = "eager",
+               gradient_checkpointing: bool = False):
+    """The weights the engine serves at the start, on ``device`` in ``dtype`` (the engine is served them
+    as the trainer holds them), with the ``attention`` kernel (transformers' name) and, when asked,
+    gradient checkpointing (each layer's activations recomputed in the backward)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), attn_implementation=attention)
+    model.to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
 
 
-def in_layout(batches: list, layout: str):
-    """The claimed groups (step batches, as every consumer hands them out) as one batch of ``layout``."""
-    steps = concat_step_batches(batches)
-    if layout == "steps":
-        return steps
-    rows, report = rows_from_step_batch(steps)
-    trajectory = trajectory_batch(rows, report)
-    return trajectory if layout == "rows" else pack_batch(trajectory)
+def policy_model(train: TrainConfig):
+    """``load_model`` as the ``[train]`` table asks: its device, dtype, attention and checkpointing."""
+    return load_model(train.model, train.seed, device=train.torch_device(), dtype=train.torch_dtype(),
+                      attention=train.attention_implementation(), gradient_checkpointing=train.gradient_checkpointing)
 
 
 class Policy:
     def __init__(self, train: TrainConfig):
         self.train = train
-        self.model = load_model(train.model, train.seed)
+        self.model = policy_model(train)
         options = {"clip_low": train.clip_low, "clip_high": train.clip_high, "kl_coef": train.kl,
                    "norm_length": train.norm_length}  # the constant of "sum_norm" aggregation (Dr. GRPO's)
         if train.aggregation:
@@ -62,18 +64,19 @@ class Policy:
 
         Before the first step the model's weights are those the engine served for on-policy groups, so
         the gap between the trainer's and the engine's logprobs on the sampled tokens is measured here."""
-        batch = in_layout(batches, self.train.layout)
+        batch = layout_batch(batches, self.train.layout, self.train.micro_batch_tokens)
+        plan = token_view(None, batch.padded, batch.padded_layout)  # every trained token, no forward
         stats = self.sample_gap(batches)
         for epoch in range(self.train.epochs if update else 1):
             self.optimizer.zero_grad(set_to_none=True)
-            loss, step_stats = layout_loss(self.model, batch, self.train.layout, self.method, ref_model=self.reference)
+            step_stats = micro_batch_loss(self.model, batch.chunks, batch.layout, plan, self.method,
+                                          ref_model=self.reference, backward=update)
             step_stats = {k: float(v) for k, v in step_stats.items() if isinstance(v, (int, float))}
             if epoch == 0:
                 stats.update(step_stats)
             else:
                 stats.update(last_loss=step_stats["loss"], last_clip_fraction=step_stats["clip_fraction"])
             if update:
-                loss.backward()
                 norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
                 if not math.isfinite(norm):  # a step on it would write NaN weights to the engine
                     stats["skipped_steps"] = stats.get("skipped_steps", 0) + 1
@@ -124,12 +127,3 @@ class Policy:
                 "rollout_gap_mean": float(diff.mean()) if diff.numel() else None,
                 "rollout_gap_unchecked": unchecked}
 
-
-def select_rows(batch, rows: list[int]):
-    """The rows ``rows`` of a step batch (tensors and per-row metadata)."""
-    from stepmill.trainer_bridge.layouts import Batch
-
-    index = np.asarray(rows, dtype=np.int64)
-    n = len(batch)
-    meta = {k: ([v[i] for i in rows] if isinstance(v, list) and len(v) == n else v) for k, v in batch.meta.items()}
-    return Batch({k: a[index] for k, a in batch.tensors.items()}, meta, batch.report)

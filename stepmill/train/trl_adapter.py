@@ -347,7 +347,7 @@ def trl_train(config: Config, train, *, db: str | None = None, name: str = "trl"
     proxy = ProxyHandle(config, db)
     output_dir = private_dir(Path(tempfile.mkdtemp(prefix="stepmill-trl-out-")))
     try:
-        rollouts = StepmillRollouts(config, proxy, run=name, engine=train.engine, tolerance=train.tolerance)
+        rollouts = StepmillRollouts(config, proxy, run=name, engine=train.engine, tolerance=train.probe_tolerance())
 
         def rollout_func(prompts, trainer):
             output = rollouts(prompts, trainer)
