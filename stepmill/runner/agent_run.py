@@ -213,14 +213,20 @@ def register(config: Config, client: StepmillClient, store, job: Job) -> Admissi
     return Admission(answer["secret"], door)
 
 
+# A rollout without route.base_url: its agents call their vendors' APIs as they ship (Claude Code
+# Anthropic's, Codex OpenAI's, Gemini CLI Google's), and those are the LLM its runs may reach.
+VENDOR_APIS = ("api.openai.com:443", "api.anthropic.com:443", "generativelanguage.googleapis.com:443")
+
+
 def route_hosts(config: Config) -> list[str]:
-    """Where a sandboxed run may reach through the proxy: its LLM's host and port, the engines, and
-    ``[isolation] allow_hosts`` (a host named without a port: 443 and 80)."""
-    hosts = []
+    """Where a sandboxed run may reach through the proxy: its LLM's host and port (without a route, the
+    public APIs agents call as they ship), the engines, and ``[isolation] allow_hosts`` (a host named
+    without a port: 443 and 80)."""
+    hosts = list(VENDOR_APIS)
     if config.route.base_url:
         parts = urllib.parse.urlsplit(config.route.base_url)
         host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
-        hosts.append(f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}")
+        hosts = [f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}"]
     return hosts + list(config.route.engines) + list(config.isolation.allow_hosts)
 
 
