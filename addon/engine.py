@@ -55,6 +55,24 @@ def configured(host: str, port: int | None, api: str, setting: str) -> bool | No
     return host in wanted or f"{host}:{port}" in wanted
 
 
+# How Gemini and Messages agents send their key (Gemini also as ?key=); an engine started with --api-key
+# checks only ``Authorization: Bearer``.
+AGENT_KEY_HEADERS = ("x-goog-api-key", "x-api-key")
+
+
+def bearer_of_agent_key(headers, path: str) -> dict:
+    """``{"Authorization": "Bearer <key>"}`` for the key a Gemini or Messages agent sent its protocol's way,
+    so the engine serving it through chat sees it; empty when the agent sent an Authorization or no key."""
+    from urllib.parse import parse_qs
+
+    if "authorization" in headers:
+        return {}
+    key = next((headers[name] for name in AGENT_KEY_HEADERS if headers.get(name)), None)
+    if key is None:
+        key = (parse_qs(path.partition("?")[2]).get("key") or [None])[0]
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 ENGINE_OWNERS = ("vllm", "sglang")
 PROBE_TIMEOUT = 3.0
 

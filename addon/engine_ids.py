@@ -22,8 +22,10 @@ from stepmill.addon.loop_state import Capture, hook_failed
 from stepmill.protocols.base import json_bytes
 from stepmill.protocols.openai_chat import CHAT_PROTOCOL
 from stepmill.protocols.streams import decode_kept
+from stepmill.protocols.via_chat import Malformed, refusal
 
 ENGINE_AUTH_HEADERS = ("authorization", "x-api-key", "api-key")
+TOO_BIG = "more than stepmill_max_body"  # in read_json's reason for a body too big to read on the loop
 UNTOUCHED = "forwarded untouched"  # the start of the note on a request body the loop could not read
 
 
@@ -105,6 +107,8 @@ class EngineIds:
         try:
             request = flow.request
             auth = {k: v for k, v in request.headers.items() if k.lower() in ENGINE_AUTH_HEADERS}
+            if capture.protocol.via_chat is not None:
+                auth.update(engine.bearer_of_agent_key(request.headers, request.path))
             answer = await self.probe.ask(key, request.scheme, (request.host, request.port),
                                           request.host_header or request.host, key[4] + "/models", auth,
                                           self._upstream_ssl(), via=self._via(flow))
@@ -132,10 +136,18 @@ class EngineIds:
         body, why = read_json(request.raw_content, capture.record.request_encoding, ctx.options.stepmill_max_body)
         if why is None and not isinstance(body, dict):
             why = f"it is JSON but not an object ({type(body).__name__})"
+        via = capture.protocol.via_chat
         if why is not None:
+            # Messages has the engine's own endpoint: a body too big to read here (or all of them, with the
+            # translation off) goes there; any other is one no route of the engine's can serve
+            own_endpoint = via is not None and via.ENGINE_ENDPOINT and (
+                TOO_BIG in why or not ctx.options.stepmill_messages_via_chat)
+            if via is not None and not own_endpoint:
+                self._refuse(flow, capture, f"the request body cannot be read: {why}")
+                return
             capture.record.notes.append(f"{UNTOUCHED} (no token ids asked for): {why}")
             return
-        if capture.protocol.via_chat is not None:
+        if via is not None:
             self._via_chat(flow, capture, body, kind)
             return
         added = engine.inject(body, capture.call.api, "sglang" if kind == "sglang" else "vllm")
@@ -166,12 +178,17 @@ class EngineIds:
         try:
             translated = via.translate(body, request.path, "sglang" if kind == "sglang" else "vllm")
             content = json_bytes(translated.chat)
-        except Exception as exc:  # a request chat cannot carry, or a body of another shape: as it came, with why
+        except Exception as exc:  # a request chat cannot carry, or a body of another shape
+            if isinstance(exc, Malformed) or not via.ENGINE_ENDPOINT:  # no route of the engine's would take it
+                EngineIds._refuse(flow, capture, f"it cannot be served through the engine's chat completions "
+                                                 f"({type(exc).__name__}: {exc})")
+                return
             why = "its own endpoint gives no token ids" if via.ENGINE_ENDPOINT else \
                 "it has no endpoint for this protocol"
             capture.record.notes.append(f"sent to the engine as it came, and {why} ({type(exc).__name__}: {exc})")
             return
         capture.record.render_with = None  # served through chat: exact ids
+        request.headers.update(engine.bearer_of_agent_key(request.headers, request.path))
         request.path = translated.path
         request.set_content(content)
         capture.raw_request = request.raw_content or b""
@@ -179,6 +196,13 @@ class EngineIds:
         capture.protocol = CHAT_PROTOCOL  # what is on the wire from here on
         capture.via, capture.translated = via, translated.options
         capture.record.notes += [via.NOTE, *translated.notes]
+
+    @staticmethod
+    def _refuse(flow: http.HTTPFlow, capture: Capture, reason: str) -> None:
+        """The proxy's own 400, in the agent's protocol, for a call it cannot translate: never sent to a route
+        the engine does not have (or would misread); the step records the refusal once, as an error."""
+        flow.response = http.Response.make(400, refusal(capture.protocol.via_chat, reason),
+                                           {"Content-Type": "application/json"})
 
     # -- response ---------------------------------------------------------------------------
     @staticmethod
@@ -222,7 +246,7 @@ class EngineIds:
             if why is not None:
                 raise ValueError(why)
             translated = via.answer_of(payload, **capture.translated) \
-                if response.status_code < 400 else via.error_body(payload)
+                if response.status_code < 400 else via.error_body(payload, response.status_code)
         except Exception as exc:
             capture.record.notes.append(f"could not translate the engine's answer back: {exc}")
             translated = via.error_body({"message": f"stepmill could not translate the answer: {exc}"})

@@ -33,7 +33,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 END = 256
-FAILURES = ("bad-json", "http-500", "cut-stream", "gated-stream", "unknown-event", "ws-close")
+FAILURES = ("bad-json", "http-500", "too-long", "cut-stream", "gated-stream", "unknown-event", "ws-close")
+TOO_LONG = ("This model's maximum context length is 4096 tokens. However, you requested 8000 output tokens and "
+            "your prompt contains at least 10603 input tokens, for a total of at least 18603 tokens.")
 ENGINE_HOSTS = ("engine.local", "127.0.0.1", "localhost", "sglang.local")
 # sglang.local answers as SGLang's OpenAI server does: return_token_ids refused on streamed chat (400);
 # return_input_ids_in_sglext / return_output_ids_in_sglext give sglext.input_ids and sglext.output_ids
@@ -153,6 +155,7 @@ class Upstream:
         self._ready = threading.Event()
         self.received: dict[str, str] = {}  # X-Test-Case -> sha256 of the raw body that reached the upstream
         self._hostile_bodies: dict[str, bytes] = {}  # hostile answers, made once
+        self.api_key: str | None = None  # set: every call must carry it as vLLM's --api-key wants (Bearer)
 
     # lifecycle
     def start(self) -> "Upstream":
@@ -265,6 +268,9 @@ class Upstream:
             return web.Response(text='{"id": "broken", "choices": [', content_type="application/json")
         if model == "http-500":
             return web.json_response({"error": {"message": "upstream exploded", "type": "server_error"}}, status=500)
+        if model == "too-long":  # vLLM's refusal of a call that does not fit its context
+            return web.json_response({"error": {"message": TOO_LONG, "type": "BadRequestError", "param": None,
+                                                 "code": 400}}, status=400)
         return None
 
     # -- Google Gemini (generateContent, streamGenerateContent with and without alt=sse) ----------------
@@ -633,6 +639,8 @@ class Upstream:
             case, answer = request.headers.get("X-Test-Case"), request.headers.get("X-Hostile-Answer")
             if case is not None and not request.headers.get("Content-Encoding"):  # an encoded body: the engine's 400
                 self.received[case] = hashlib.sha256(await request.read()).hexdigest()
+            if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+                return web.json_response({"error": "Unauthorized"}, status=401)  # as vLLM's --api-key answers
             if answer is None:
                 return await handler(request)
             return await getattr(self, "_hostile_" + answer.replace("-", "_"))(request)

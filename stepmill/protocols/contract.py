@@ -70,8 +70,8 @@ class ChatTranslation(typing.Protocol):
     def answer_of(self, payload: dict, **options) -> Any:
         """The engine's whole chat answer as the agent's protocol answers."""
 
-    def error_body(self, payload: Any) -> dict:
-        """An engine's error as the agent's protocol says one."""
+    def error_body(self, payload: Any, status: int | None = None) -> dict:
+        """An engine's error as the agent's protocol says one (``status``: the HTTP status it came with)."""
 
     # chat chunks in, the agent's stream out (a ``via_chat.ChatStreamTranslator``), given what ``translate`` said
     StreamTranslator: Callable[..., Callable]

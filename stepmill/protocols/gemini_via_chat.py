@@ -31,7 +31,8 @@ FINISH = {"stop": "STOP", "tool_calls": "STOP", "function_call": "STOP", "length
 
 
 class Untranslatable(ValueError):
-    """A request the chat protocol cannot carry: it goes to the engine as it came."""
+    """A request the chat protocol cannot carry: the proxy answers it with a 400 in Gemini's shape (the engine
+    has no Gemini route to send it to)."""
 
 
 def chat_path(path: str) -> str:
@@ -266,9 +267,18 @@ def answer_of(payload: dict, *, model: str | None, array: bool = False) -> Any:
     return [answer] if array else answer
 
 
-def error_body(payload: Any) -> dict:
-    """An engine's error in Gemini's shape."""
-    return {"error": {"code": 400, "message": error_message(payload)[0], "status": "INVALID_ARGUMENT"}}
+# Google's status names for the HTTP statuses an engine answers with (google.rpc.Code)
+STATUS = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+          409: "ABORTED", 429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 500: "INTERNAL", 501: "UNIMPLEMENTED",
+          503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+def error_body(payload: Any, status: int | None = None) -> dict:
+    """An engine's error in Gemini's shape, its code the HTTP status it came with (an error chunk of a
+    stream has none: 400)."""
+    code = status or 400
+    return {"error": {"code": code, "message": error_message(payload)[0],
+                      "status": STATUS.get(code, "INTERNAL" if code >= 500 else "INVALID_ARGUMENT")}}
 
 
 def sse(data: dict) -> bytes:

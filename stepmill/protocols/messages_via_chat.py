@@ -18,7 +18,7 @@ from typing import Any
 
 from stepmill.protocols.contract import Translated
 from stepmill.protocols.openai_chat import reasoning_of
-from stepmill.protocols.via_chat import ChatStreamTranslator, error_message, not_carried, tool_arguments
+from stepmill.protocols.via_chat import ChatStreamTranslator, Malformed, error_message, not_carried, tool_arguments
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
                 "abort": "end_turn"}
@@ -87,15 +87,17 @@ def messages_of(body: dict) -> list[dict]:
     system = body.get("system")
     if system:
         out.append({"role": "system", "content": _text(system)})
+    if not isinstance(body.get("messages") or [], list):
+        raise Malformed("'messages' is not a list")
     for message in body.get("messages") or []:
         if not isinstance(message, dict):
-            raise Untranslatable("a message is not an object")
+            raise Malformed("a message is not an object")
         role, content = message.get("role"), message.get("content")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
         if not isinstance(content, list):
-            raise Untranslatable(f"content of a {role} message")
+            raise Malformed(f"the content of a {role} message is neither a string nor a list of blocks")
         blocks = [b for b in content if isinstance(b, dict)]
         if role == "assistant":
             text, thinking, calls = [], [], []
@@ -214,10 +216,20 @@ def chat_to_message(payload: dict, *, model: str | None, stop_sequences: list | 
 answer_of = chat_to_message  # what the proxy calls on a whole answer, whichever protocol it translates to
 
 
-def error_body(payload: Any) -> dict:
-    """An engine's error in Messages' shape."""
+# Anthropic's error types for the HTTP statuses an engine answers with
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 529: "overloaded_error"}
+
+
+def error_body(payload: Any, status: int | None = None) -> dict:
+    """An engine's error in Messages' shape, its type the HTTP status's (an error chunk of a stream has no
+    status: an ``error`` object is the request's fault, anything else the API's)."""
     message, is_error = error_message(payload)
-    return {"type": "error", "error": {"type": "invalid_request_error" if is_error else "api_error", "message": message}}
+    if status is None:
+        kind = "invalid_request_error" if is_error else "api_error"
+    else:
+        kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 # -- a stream, event by event -----------------------------------------------------------------------------

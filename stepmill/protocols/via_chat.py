@@ -1,5 +1,6 @@
 """What the translations through an engine's chat completions share (messages_via_chat, gemini_via_chat):
-a tool call's arguments back as an object, an engine's error message, and the reading of its chunks."""
+a tool call's arguments back as an object, an engine's error message, a request refused at the edge, and
+the reading of its chunks."""
 
 from __future__ import annotations
 
@@ -24,6 +25,18 @@ def error_message(payload: Any) -> tuple[str, bool]:
     message = (error.get("message") if isinstance(error, dict) else None) or (
         payload.get("message") if isinstance(payload, dict) else None) or json.dumps(payload)[:2000]
     return message, isinstance(error, dict)
+
+
+class Malformed(ValueError):
+    """A request of a shape the agent's own API refuses too (a field of the wrong type): the proxy answers it
+    with a 400 in the agent's protocol, and the engine never sees it."""
+
+
+def refusal(via: Any, reason: str) -> bytes:
+    """The proxy's own 400 for a request it cannot translate, in the agent's protocol (``via``: its translation
+    module): the reason named, and that stepmill, not the engine, said it."""
+    return json.dumps(via.error_body({"error": {"message": f"stepmill refused this call: {reason}"}}, 400),
+                      ensure_ascii=False).encode()
 
 
 def not_carried(notes: list[str], where: str, names: list[str], why: str = "") -> None:
