@@ -33,6 +33,7 @@ from stepmill.http_answers import send_json
 from stepmill.protocols.messages import content_text
 
 MODEL = "stepmill-simulated-qwen"
+MAX_MODEL_LEN = 32768  # the context it says it has, as vLLM does (/v1/models, /tokenize)
 LABEL = "stepmill simulated LLM (not a model: seeded coin flips over arithmetic, real Qwen2 token ids)"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 _EXPRESSION = re.compile(r"[-+*/().\d\s]*\d[-+*/().\d\s]*[-+*/][-+*/().\d\s]*\d[-+*/().\d\s]*")
@@ -480,7 +481,7 @@ def tokenize(llm: SimulatedModel, body: dict) -> dict:
     else:
         raise BadRequest("tokenize needs 'prompt' or 'messages'")
     ids = llm.encode(text)
-    out = {"count": len(ids), "max_model_len": 32768, "tokens": ids}
+    out = {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
     if body.get("return_token_strs"):
         out["token_strs"] = llm.tokenizer.convert_ids_to_tokens(ids)
     return out
@@ -503,7 +504,7 @@ def make_server(llm: SimulatedModel, host: str = "127.0.0.1", port: int = 0) -> 
             if self.path.rstrip("/") in ("/v1/models", "/models"):
                 return self._json(200, {"object": "list", "data": [
                     {"id": MODEL, "object": "model", "owned_by": "vllm", "created": 0, "root": MODEL,
-                     "description": LABEL}]})
+                     "max_model_len": MAX_MODEL_LEN, "description": LABEL}]})
             if self.path.rstrip("/") in ("/health", "/v1/health", ""):
                 return self._json(200, {"ok": True, "simulated": True, "label": LABEL})
             self._error(404, f"no route {self.path}")

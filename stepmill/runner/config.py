@@ -50,6 +50,8 @@
     model = "qwen"
     # runs_dir = "runs"                       # the runs' folders (default: <database>.runs, beside it)
     # keep_runs_days = 7                      # older run folders are removed as a rollout starts (0: kept)
+    # max_new_tokens = 4096                   # what one call may add: with an agent's prompt_tokens it must fit
+                                              # the engine's context, or the rollout is refused (context_fit.py)
     # executor = "ray"                        # run on a Ray cluster's nodes (stepmill/fleet/ray_rollout.py), with:
     # ray_address = "ray://head:10001"        # default: ray.init()'s choice (RAY_ADDRESS, a running one, or local)
     # runs_per_node = 8                       # default: concurrency
@@ -84,6 +86,7 @@ class Agent:
     input: str = "stdin"
     env: dict = field(default_factory=dict)
     file: str = "task.txt"
+    prompt_tokens: int | None = None  # the opening prompt's size (system prompt, tools): checked against the engine
 
 
 @dataclass
@@ -114,6 +117,7 @@ class RolloutSettings:
     coordinator: str | None = None  # Ray: the fleet's PostgreSQL (default: $STEPMILL_COORDINATOR)
     runs_dir: str | None = None  # the runs' folders (default: <database>.runs beside the database)
     keep_runs_days: float = 7  # run folders older than this are removed when a rollout starts; 0: kept
+    max_new_tokens: int | None = None  # what one call may add to its prompt (context_fit.py)
 
 
 EXECUTORS = ("local", "ray")
@@ -241,6 +245,10 @@ def _check_run_folders(run: dict, path: Path, fail) -> None:
         fail("run", "keep_runs_days", "a number of days ≥ 0 is required (0: never removed)")
 
 
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def load(path: str | Path) -> Config:
     path = Path(path)
     try:
@@ -280,6 +288,8 @@ def load(path: str | Path) -> Config:
             fail("agent", "input", "must be stdin, argument or file")
         if not isinstance(entry.get("env", {}), dict):
             fail("agent", "env", "must be a table")
+        if "prompt_tokens" in entry and not _positive_int(entry["prompt_tokens"]):
+            fail("agent", "prompt_tokens", "a positive integer is required")
         agents[entry["name"]] = Agent(**entry)
     datasets, publics, library_paths = {}, {}, {}
     for index, entry in enumerate(data.get("dataset", [])):
@@ -319,8 +329,8 @@ def load(path: str | Path) -> Config:
     run["agent"] = names
     if run["dataset"] not in datasets:
         fail("run", "dataset", f"no [[dataset]] named {run['dataset']!r}")
-    for key in ("n", "concurrency"):
-        if key in run and not (isinstance(run[key], int) and run[key] > 0):
+    for key in ("n", "concurrency", "max_new_tokens"):
+        if key in run and not _positive_int(run[key]):
             fail("run", key, "a positive integer is required")
     if "timeout" in run and not (isinstance(run["timeout"], (int, float)) and run["timeout"] > 0):
         fail("run", "timeout", "a positive number of seconds is required")

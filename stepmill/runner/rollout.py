@@ -24,6 +24,7 @@ from stepmill.runner import isolation as iso
 from stepmill.runner.agent_run import (RunSite, new_runs_root, plan, register, run_one, runs_folder,
                                        white_box_tokenizer)
 from stepmill.runner.config import Config
+from stepmill.runner.context_fit import check_context_fit
 from stepmill.runner.progress import Report, print_progress
 from stepmill.runner.proxy_env import ensure_bundle
 from stepmill.runner.proxy_handle import ProxyHandle
@@ -110,6 +111,7 @@ def rollout(config: Config, *, db: str | None = None, progress: bool = True) -> 
         raise ConfigError('executor = "ray" runs on a Ray cluster: `stepmill rollout`, or '
                           'stepmill.fleet.ray_rollout.rollout_on_ray')
     mode = checked_isolation(config)
+    check_context_fit(config)  # before the proxy starts: an agent that cannot fit never runs
     proxy = ProxyHandle(config, db)
     try:
         return rollout_through(config, proxy, progress=progress, mode=mode)
