@@ -57,6 +57,7 @@ def _rollout(config):
                           timeout=300)
 
 
+@pytest.mark.slow  # a whole rollout: about 17 s
 def test_the_tool_loop_agent_through_the_runner(proxy, marker, tmp_path):
     config = _config(tmp_path, proxy, marker)
     done = _rollout(config)
@@ -329,6 +330,7 @@ allow_hosts = ["127.0.0.1:{proxy.upstream.port}"]
     return config
 
 
+@pytest.mark.slow  # both shipped agents' rollouts: about 40 s
 @pytest.mark.timeout(300)
 def test_both_shipped_agents_against_the_simulated_llm(proxy, simulated_llm, marker, tmp_path):
     """Three tasks × two agents × n=4: the black-box loop through the proxy, the white-box loop token
@@ -419,6 +421,7 @@ def test_no_agent_gets_the_write_token(proxy, simulated_llm, marker, tmp_path):
     assert "1 runs finished (0 failed, 0 timed out)" in done.stderr, done.stderr
 
 
+@pytest.mark.slow  # rollouts through the reverse route: about 30 s
 def test_reverse_route_tags_a_base_url(tmp_path, proxy, simulated_llm, marker):
     """route.reverse: the runner's own proxy gets a reverse mode; agents get .../t/<trajectory>/g/<group>/v1."""
     config = _sim_config(tmp_path, proxy, simulated_llm, marker, agents=["tool-loop"], n=2, tasks=1,
