@@ -83,9 +83,9 @@ class Doors:
     # -- plain requests and WebSocket upgrades: judged on their head, before the body is read ---------
     def requestheaders(self, flow: http.HTTPFlow):
         try:
+            run = self._door_run(flow)  # bound first, whatever answered: a later request on this connection is the run's
             if flow.response is not None:
                 return
-            run = self._door_run(flow)
             if run is not None and not self._is_control(flow) and not self._reaches(run, flow.request.host,
                                                                                     flow.request.port):
                 reason = self._elsewhere(run, flow.request)

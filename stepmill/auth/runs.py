@@ -12,7 +12,8 @@ another proxy on the same file, by a thread that reads new rows off the loop.
 A sandboxed run's door is known by a key, never by an address: the runner's side of the door adds
 it (``DOOR_HEADER``) to the first request of each connection it carries, and the run never sees it.
 The connection is then bound to the run (``bind``): every later request on it is the run's, found
-with one dictionary read.
+with one dictionary read. Such a run's secret admits nothing on its own: a call that names it but came
+through no door is refused as any caller from no door is (``resolve``).
 """
 
 from __future__ import annotations
@@ -141,6 +142,8 @@ class RunTable:
         ``vouched``: the write token came with it (whoever holds it may write anything anyway)."""
         if credential is not None and credential.trajectory_id in self.runs:
             run = self.runs[credential.trajectory_id]
+            if run.door and not run.revoked:
+                raise self._doorless()  # a sandboxed run writes through its door alone: its secret, lent, is no one's
             if run.revoked:
                 raise Refused(f"run {run.trajectory_id!r} has ended: its credentials were revoked")
             if not run.admits(credential.secret):
@@ -148,8 +151,7 @@ class RunTable:
                               f"a secret this request {'gets wrong' if credential.secret else 'lacks'}")
             return Tags(run.trajectory_id, run.group_id, run.channel)  # headers never override
         if self.open_doors and not vouched:
-            raise Refused(f"{len(self.open_doors)} sandboxed run(s) of a rollout are open: a call that comes through "
-                          f"no run's door needs a registered run's credentials or the write token (X-Stepmill-Token)")
+            raise self._doorless()
         tags = (credential or Tags()).merge(headers)
         tags.secret = None
         if tags.trajectory_id in self.runs:
@@ -159,6 +161,13 @@ class RunTable:
             raise Refused(f"group {tags.group_id!r} belongs to registered runs: trajectory "
                           f"{tags.trajectory_id!r} is not one of them")
         return tags
+
+
+    def _doorless(self) -> Refused:
+        """What a call from no run's door is told while sandboxed runs are open: the same whoever it
+        names, so a borrowed secret learns nothing an unknown caller would not."""
+        return Refused(f"{len(self.open_doors)} sandboxed run(s) of a rollout are open: a call that comes through "
+                       f"no run's door needs a registered run's credentials or the write token (X-Stepmill-Token)")
 
 
 def host_ports(entry: str) -> list[tuple[str, int]]:
