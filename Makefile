@@ -4,10 +4,10 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo proxy ui docs docs-build test test-fast test-slow bench bench-proxy bench-store bench-ui bench-engine bench-train bench-loop
 
+# Made where it really is (.ci/run may link .venv to its cache): a venv's scripts name its path.
 $(PY): pyproject.toml
-	"$$(.ci/find-python)" -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	venv="$$(realpath -m $(VENV))" && "$$(.ci/find-python)" -m venv "$$venv" \
+	  && "$$venv/bin/python" -m pip install -q --upgrade pip && "$$venv/bin/python" -m pip install -q -e '.[test]'
 	touch $(PY)
 
 demo: $(PY)
