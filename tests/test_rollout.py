@@ -9,47 +9,19 @@ from pathlib import Path
 import pytest
 
 from .conftest import STEPMILL
+from .rollout_files import write_rollout
 
 
 def _config(tmp_path, proxy, marker, *, agent_command=None, timeout=60, extra=""):
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("\n".join(json.dumps({"id": f"t{i}", "prompt": f"What is {i} + {i}? ({marker})",
-                                           "answer": str(2 * i)}) for i in range(3)) + "\n")
+    tasks = [{"id": f"t{i}", "prompt": f"What is {i} + {i}? ({marker})", "answer": str(2 * i)} for i in range(3)]
     command = agent_command or [sys.executable, "-m", "stepmill.agents.tool_loop", "--model", "{model}"]
-    config = tmp_path / "rollout.toml"
-    config.write_text(f"""
-[proxy]
-url = "{proxy.url}"
-db = "{proxy.db}"
-confdir = "{proxy.confdir}"
-
-[[agent]]
-name = "tool-loop"
-command = {json.dumps(command)}
-env = {{ OPENAI_API_KEY = "sk-local" }}
-
-[[dataset]]
-name = "arith-{marker}"
-path = "tasks.jsonl"
-
-[run]
-agent = "tool-loop"
-dataset = "arith-{marker}"
-n = 2
-concurrency = 3
-timeout = {timeout}
-model = "gpt-test"
-{extra}
-[[reward]]
-name = "math-{marker}"
-function = "stepmill.rewards.functions:math_answer"
-
-[isolation]
-# The test upstream stands for api.openai.com (tests/redirect_hosts.py sends the calls there), and a run's
-# door judges where its connections really go.
-allow_hosts = ["127.0.0.1:{proxy.upstream.port}"]
-""")
-    return config
+    # The test upstream stands for api.openai.com (tests/redirect_hosts.py sends the calls there), and a run's
+    # door judges where its connections really go.
+    return write_rollout(tmp_path, proxy, dataset=f"arith-{marker}", command=command, tasks=tasks, agent="tool-loop",
+                         env={"OPENAI_API_KEY": "sk-local"},
+                         isolation=f'allow_hosts = ["127.0.0.1:{proxy.upstream.port}"]',
+                         run=f'n = 2\nconcurrency = 3\ntimeout = {timeout}\nmodel = "gpt-test"\n{extra}',
+                         more=f'[[reward]]\nname = "math-{marker}"\nfunction = "stepmill.rewards.functions:math_answer"\n')
 
 
 def _rollout(config):

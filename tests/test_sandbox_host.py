@@ -22,6 +22,7 @@ import pytest
 from stepmill.runner import isolation as iso
 
 from .conftest import STEPMILL, TESTS
+from .rollout_files import write_rollout
 
 GRAB = TESTS / "adversary" / "host_grab.py"
 PORT_START = Path("/proc/sys/net/ipv4/ip_unprivileged_port_start")  # a run's own network opens its low ports
@@ -43,42 +44,6 @@ def add_host_key(description: str, payload: bytes) -> int:
 
 def revoke_key(key: int) -> None:
     libc.syscall(250, 3, ctypes.c_long(key))  # KEYCTL_REVOKE
-
-
-def write_rollout(folder: Path, proxy, *, dataset: str, command: list[str], tasks: list[dict], env: dict = None,
-                  isolation: str = "", run: str = "") -> Path:
-    """A rollout of one agent (``command``) through the test session's proxy; ``isolation`` and ``run``:
-    more TOML lines of those tables. The dataset is owner-only (user mode refuses one others may read)."""
-    tasks_file = folder / "tasks.jsonl"
-    tasks_file.touch(mode=0o600)
-    tasks_file.write_text("".join(json.dumps(task) + "\n" for task in tasks))
-    config = folder / "rollout.toml"
-    config.write_text(f"""
-[proxy]
-url = "{proxy.url}"
-db = "{proxy.db}"
-confdir = "{proxy.confdir}"
-
-[[agent]]
-name = "agent"
-command = {json.dumps(command)}
-env = {{ {", ".join(f'{k} = {json.dumps(v)}' for k, v in (env or {}).items())} }}
-
-[[dataset]]
-name = "{dataset}"
-path = "tasks.jsonl"
-
-[isolation]
-{isolation}
-
-[run]
-agent = "agent"
-dataset = "{dataset}"
-n = 1
-timeout = 90
-{run}
-""")
-    return config
 
 
 @pytest.fixture(scope="module", params=["sandbox", "user"])

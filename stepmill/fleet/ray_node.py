@@ -24,11 +24,12 @@ from pathlib import Path
 
 from stepmill.children import die_with_parent, free_port
 from stepmill.private_files import private_opener
-from stepmill.runner.agent_run import Job, Outcome, RunSite, new_runs_root, register, run_one, white_box_tokenizer
+from stepmill.runner.agent_run import Job, Outcome, RunSite, register, run_one, white_box_tokenizer
 from stepmill.runner.config import Config
 from stepmill.runner.isolation import UidLeases
 from stepmill.runner.proxy_env import ensure_bundle
 from stepmill.runner.proxy_handle import ProxyHandle, stop_process
+from stepmill.runner.run_folders import new_runs_root, runs_folder
 
 HEARTBEAT_S = 10.0
 
@@ -68,8 +69,10 @@ class Node:
             self.serve_url, self.serve = self._start_serve(db)
             if config.run.policy_version is not None:  # stamped on every step of this node's file
                 self._set_policy_version(config.run.policy_version)
+            # The node's runs live as a local rollout's do: beside its database (or [run] runs_dir), pruned by age.
+            runs_root = new_runs_root(runs_folder(db, config.run.runs_dir), config.run.keep_runs_days)
             self.where = Where(name, db, self.proxy.confdir, self.proxy.url, self.proxy.reverse_url, self.serve_url,
-                               str(new_runs_root()), str(ensure_bundle(self.proxy.confdir)), _ray_node_id())
+                               str(runs_root), str(ensure_bundle(self.proxy.confdir)), _ray_node_id())
             self._stopped = threading.Event()
             self._fleet = None
             if coordinator:

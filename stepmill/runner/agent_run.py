@@ -14,7 +14,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -32,7 +31,7 @@ from stepmill.runner.isolation.files import module_folders
 from stepmill.runner.limits import CappedLog, RunGroup
 from stepmill.runner.proxy_handle import ProxyHandle, origin
 from stepmill.runner.proxy_env import trust_env
-from stepmill.tags import encode_id
+from stepmill.runner.run_folders import new_run_folder
 
 # What a white-box run reports of a step: only what the runner cannot know itself. Reward, policy
 # version, trajectory, group, channel, model and is_last come from the runner.
@@ -117,42 +116,6 @@ def white_box_tokenizer(config: Config) -> str | None:
 
         tokenizer = str(default_folder())  # the bundled Qwen2 vocabulary, built once
     return tokenizer
-
-
-def new_runs_root(folder: Path | None = None, keep_days: float = 0) -> Path:
-    """Where a rollout's run folders go: ``folder`` (beside its database: ``runs_folder``), made if
-    need be, with run folders older than ``keep_days`` days removed first (0: none removed); without
-    one, a new temporary folder."""
-    if folder is None:
-        runs_root = Path(tempfile.mkdtemp(prefix="stepmill-rollout-"))
-    else:
-        runs_root = Path(folder)
-        runs_root.mkdir(parents=True, exist_ok=True)
-        if keep_days:
-            prune_runs(runs_root, keep_days)
-    os.chmod(runs_root, 0o711)  # other users (user mode) reach their own run folder, list none
-    return runs_root
-
-
-def runs_folder(db: str, runs_dir: str | None) -> Path:
-    """A rollout's runs' root: ``[run] runs_dir`` (or ``--runs-dir``), else ``<database>.runs`` beside it."""
-    return Path(runs_dir).expanduser().resolve() if runs_dir else Path(f"{Path(db).resolve()}.runs")
-
-
-def prune_runs(runs_root: Path, keep_days: float) -> list[Path]:
-    """Run folders that last changed (their run ended: its env file removed, its log closed) more than
-    ``keep_days`` days ago are removed; a running run's folder changes as it runs."""
-    cutoff = time.time() - keep_days * 86400
-    removed = []
-    for folder in runs_root.iterdir():
-        if folder.is_symlink() or not folder.is_dir():
-            continue
-        log = folder / "work" / "agent.log"
-        last = max(folder.lstat().st_mtime, log.lstat().st_mtime if os.path.lexists(log) else 0)
-        if last < cutoff:
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed
 
 
 def plan(config: Config) -> list[Job]:
@@ -302,7 +265,7 @@ class Running:
 def _prepare(site: RunSite, job: Job, admission: Admission, uid: int) -> Running:
     """The run's folder, command and environment, as its isolation mode shapes them."""
     agent, trajectory = job.agent, job.trajectory
-    run_dir = Path(tempfile.mkdtemp(prefix=encode_id(trajectory)[:80] + "-", dir=site.runs_root))
+    run_dir = new_run_folder(site.runs_root, trajectory)
     place = iso.RunPlace(run_dir, trajectory, uid)
     place.workdir.mkdir()
     run_bundle = run_dir / "ca-bundle.pem"  # the run's own copy: the confdir stays hidden
@@ -511,12 +474,15 @@ def feed(pipe, data: bytes) -> None:
         pass  # the agent exited without reading its input
 
 
+UNBACKED = "no engine answer carried these ids"  # a white-box line its engine door never saw answered
+
+
 def engine_versions(said: dict, tags: dict) -> dict:
     """The policy version from the engine's own word, as the run's engine door read it
-    (``EngineAnswers.said``: vLLM's token route names the weight version that sampled each token):
+    (``EngineAnswers.claim``: vLLM's token route names the weight version that sampled each token):
     the version its first token was sampled with, and every span when a weight sync fell inside the
     generation. Nothing where the engine did not say (or says only "default", never synced): the step
-    is then stamped by when it began."""
+    is then stamped by when the door saw its request."""
     spans = said.get("weight_versions")
     if not (isinstance(spans, list) and spans and all(isinstance(span, dict) for span in spans)):
         return {}
@@ -533,8 +499,10 @@ def submit_steps(stream, client: StepmillClient, submitted: dict, tags: dict,
                  answers: EngineAnswers | None = None) -> None:
     """A white-box run's steps, one JSON line each on its own pipe, submitted with the runner's
     credential as they come. Of each line only the ids and what it says the engine answered are
-    taken; its policy version is what the run's engine door saw the engine answer for those output
-    ids (``answers``; none without a door), never a field of the line."""
+    taken. With an engine door (``answers``) a line stands only for an answer the door saw carry its
+    output ids (else it is refused: the run made those tokens up), and its policy version and start
+    are what the door saw, never fields of the line; without one, the line's start is held inside
+    what the runner saw."""
     floor = time.time()  # a generation began after the run started, and after the line before it came
     with stream:
         for index, line in enumerate(stream):
@@ -546,18 +514,22 @@ def submit_steps(stream, client: StepmillClient, submitted: dict, tags: dict,
                     raise ValueError("a step is a JSON object")
                 reported = {name: step[name] for name in WHITE_BOX_FIELDS if step.get(name) is not None}
                 first = {"parent_step_id": None} if index == 0 else {}  # a root, even after a cut-short run
-                # when the generation began, as the agent says, held inside what the runner saw
                 now = time.time()
-                started = step.get("started_at")
-                started = (min(max(float(started), floor), now)
-                           if isinstance(started, (int, float)) and math.isfinite(started) else floor)
+                said = answers.claim(step.get("response_ids")) if answers is not None else {}
+                if said is None:
+                    raise ValueError(UNBACKED)
+                started = said.get("asked_at") or _reported_start(step.get("started_at"), floor, now)
                 floor = now
-                said = answers.said(step.get("response_ids")) if answers is not None else {}
                 client.submit_step(**{**reported, **tags, **first, **engine_versions(said, tags)}, step_index=index,
                                    started_at=started)
                 submitted["steps"] += 1
             except (ValueError, ControlError) as exc:
                 submitted["errors"].append(f"step {index}: {exc}")
+
+
+def _reported_start(started, floor: float, now: float) -> float:
+    """When a generation began as a run without an engine door says, held inside what the runner saw."""
+    return min(max(float(started), floor), now) if isinstance(started, (int, float)) and math.isfinite(started) else floor
 
 
 def stop_group(process: subprocess.Popen, grace: float = 3.0) -> None:

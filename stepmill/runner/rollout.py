@@ -21,13 +21,13 @@ from typing import Callable
 
 from stepmill.errors import ConfigError
 from stepmill.runner import isolation as iso
-from stepmill.runner.agent_run import (RunSite, new_runs_root, plan, register, run_one, runs_folder,
-                                       white_box_tokenizer)
+from stepmill.runner.agent_run import RunSite, plan, register, run_one, white_box_tokenizer
 from stepmill.runner.config import Config
 from stepmill.runner.context_fit import check_context_fit
 from stepmill.runner.progress import Report, print_progress
 from stepmill.runner.proxy_env import ensure_bundle
 from stepmill.runner.proxy_handle import ProxyHandle
+from stepmill.runner.run_folders import new_runs_root, runs_folder
 
 JOIN_POLL = 0.25  # seconds the main thread waits at a time for a run's thread, so a signal reaches it
 STOP_GRACE = 30.0  # seconds an interrupted rollout waits for its runs to stop before it names those that did not
