@@ -128,7 +128,6 @@ class Store:
 
     # -- journal entries committed --------------------------------------------------------------
     journal_entry = forward("entries", JournalEntries.journal_entry)
-    committed_entries = forward("entries", JournalEntries.committed_entries)
     forget_journal = forward("entries", JournalEntries.forget_journal)
 
     # -- trajectories and groups ----------------------------------------------------------------

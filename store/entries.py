@@ -35,15 +35,6 @@ class JournalEntries:
             fresh = conn.execute("INSERT OR IGNORE INTO journal_entries (entry) VALUES (?)", [entry]).rowcount == 1
             yield fresh
 
-    def committed_entries(self, entries: list[str]) -> set[str]:
-        """Which of ``entries`` are committed already (a look, without the write lock)."""
-        found: set[str] = set()
-        for i in range(0, len(entries), 500):  # within SQLite's limit on bound parameters
-            chunk = entries[i:i + 500]
-            found.update(row[0] for row in self.tx.conn.execute(
-                f"SELECT entry FROM journal_entries WHERE entry IN ({','.join('?' * len(chunk))})", chunk))
-        return found
-
     def forget_journal(self, journal_id: str) -> None:
         """The identities of a retired journal's entries (it is gone: none of them can be read again)."""
         with self.tx.write() as conn:

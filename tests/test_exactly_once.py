@@ -254,3 +254,92 @@ def test_a_writer_stuck_on_a_locked_file_goes_when_its_proxy_is_killed(tmp_path,
         assert step["status"] == "ok"
     finally:
         stop_proxy(follow)
+
+
+def test_a_retire_cut_short_leaves_nothing_to_commit_again(tmp_path):
+    """A journal is retired files first: a writer that dies before it clears the journal's position and
+    identities leaves nothing the next writer could commit again, and that writer clears what is left."""
+    db = str(tmp_path / "retire.db")
+    journal = Journal.create(db)
+    _append_calls(journal, ["a", "b", "c"])
+    _drain(db, journal)
+    journal.remove()  # the retire's first half: its files are gone, its position and identities are not
+    store = Store(db)
+    assert store.get_state(state_key(journal.id)) is not None
+    store.close()
+    writer = Writer(db, Journal.create(db).folder)
+    opened = writer._start()  # the next writer of the file
+    store, _ = opened
+    assert sorted(_texts(store)) == ["a", "b", "c"]
+    assert store.get_state(state_key(journal.id)) is None
+    assert store.query("SELECT count(*) AS n FROM journal_entries")[0]["n"] == 0
+    store.close()
+
+
+def test_a_writer_that_cannot_store_an_entry_even_as_an_error_step_says_so_and_writes_nothing(tmp_path, monkeypatch):
+    """The issue's orphaned writer committed the same entries for 51 minutes, growing the WAL by 80 MB a minute.
+    A writer that cannot get past an entry now commits nothing, says why, waits longer each time (never past
+    STUCK_WAIT, however long it stays stuck), and the file and its WAL do not grow."""
+    from stepmill.pipeline import writer as writer_module
+
+    db = str(tmp_path / "stuck.db")
+    journal = Journal.create(db)
+    _append_calls(journal, ["before"])
+    _drain(db, journal)
+    _append_calls(journal, ["poison call", "after"])
+
+    def broken(self, record, blobs):
+        raise MemoryError("no memory for this call, ever")
+
+    monkeypatch.setattr(Ingest, "prepare", broken)
+    monkeypatch.setattr(Ingest, "poison_entry", broken)  # not even an error step can be made of it
+    sizes = []
+    for _ in range(5):
+        writer = _drain(db, journal)
+        assert writer.failing and writer.failing.startswith("the writer cannot make progress: MemoryError"), writer.failing
+        wal = db + "-wal"
+        sizes.append((os.path.getsize(db), os.path.getsize(wal) if os.path.exists(wal) else 0))
+    assert len(set(sizes)) == 1, f"the file or its WAL grew while the writer was stuck: {sizes}"
+    store = Store(db)
+    assert _texts(store) == ["before"]
+    store.close()
+    writer._stuck_waits = 5000  # stuck for days: the wait stays bounded
+    assert writer._timeout(False) == writer_module.STUCK_WAIT
+    journal.release()
+
+
+def test_a_journal_left_after_a_writer_started_is_replayed_while_it_is_idle(tmp_path, monkeypatch):
+    """A proxy started again within its old writer's grace: the old writer still holds its journal when the
+    new one starts, so the new one finds it when idle (every ORPHAN_SCAN), not at some later start."""
+    import subprocess
+    import sys
+
+    from stepmill.pipeline import writer as writer_module
+    from stepmill.pipeline.writer import ThreadWriter
+
+    monkeypatch.setattr(writer_module, "ORPHAN_SCAN", 0.5)
+    db = str(tmp_path / "late.db")
+    old = Journal.create(db)
+    _append_calls(old, ["left by the old proxy"])
+    old.release()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a');"
+                               " fcntl.flock(f, fcntl.LOCK_SH); print('held', flush=True); time.sleep(60)",
+                               str(old.folder / "lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"  # the old writer, in its grace
+        new = Journal.create(db)
+        thread = ThreadWriter(db, new)
+        time.sleep(1.5)
+        store = Store(db)
+        assert _texts(store) == [], "a journal still held by its writer was replayed"
+        holder.kill()  # the old writer's grace ends
+        holder.wait(10)
+        wait_until(lambda: _texts(store) == ["left by the old proxy"], timeout=15,
+                   what="the journal left behind, replayed while the new writer is idle")
+        wait_until(lambda: not old.folder.exists(), what="the replayed journal retired")
+        store.close()
+        thread.close()
+        new.release()
+    finally:
+        holder.kill()
+        holder.wait(10)

@@ -307,12 +307,15 @@ class Journal:
         return Position.parse(store.get_state(state_key(self.id)))
 
     def retire(self, store) -> bool:
-        """Remove this journal and its position if everything in it is committed; False if not."""
+        """Remove this journal, then its position and its entries' identities, if everything in it is
+        committed; False if not. The files go first: a writer that dies in between leaves a position and
+        identities of a journal no one can read again (``forget_removed`` clears them), never segments
+        whose identities are gone, which the next writer would commit again."""
         if self.backlog(self.committed(store)):
             return False
-        store.set_state(state_key(self.id), None)
-        store.forget_journal(self.id)  # none of its entries can be read again once it is removed
         self.remove()
+        store.set_state(state_key(self.id), None)
+        store.forget_journal(self.id)
         return True
 
     def drop_before(self, position: Position) -> None:
@@ -324,6 +327,17 @@ class Journal:
             if int(path.stem) < position.segment and int(path.stem) != self._segment:
                 path.unlink(missing_ok=True)
         self._dropped_below = position.segment
+
+
+def forget_removed(store) -> None:
+    """The positions and entry identities of journals whose folders are gone (a retire cut short after
+    its files went): nothing of them can be read again."""
+    root = journal_root(store.path)
+    for key in store.journal_positions():
+        journal_id = key.removeprefix(state_key(""))
+        if not (root / journal_id).exists():
+            store.set_state(key, None)
+            store.forget_journal(journal_id)
 
 
 def stats_with_backlog(store) -> dict:

@@ -33,7 +33,7 @@ from stepmill.store import Store
 from stepmill.pipeline.call_record import CallRecord
 from stepmill.pipeline.handoff import COMMIT_WINDOW
 from stepmill.pipeline.ingest import Ingest
-from stepmill.pipeline.journal import UNREADABLE_KEY, Journal, Position, entry_identity, state_key
+from stepmill.pipeline.journal import UNREADABLE_KEY, Journal, Position, entry_identity, forget_removed, state_key
 
 log = logging.getLogger("stepmill")
 
@@ -45,6 +45,7 @@ SEARCH_WAIT = 1.0  # seconds from a commit to its steps in the full-text index (
 RETRY_WAIT = 0.5  # after a locked database or a full disk
 STUCK_WAIT = 30.0  # at most, between tries of an entry that cannot be committed even as an error step
 ORPHAN_GRACE = 5.0  # seconds a writer process commits on once its proxy is gone; then it exits, done or not
+ORPHAN_SCAN = 30.0  # seconds between looks, while idle, for journals whose writers are gone (they are replayed)
 FLUSH = b"f"  # on a writer process's stdin: commit now (a newline only wakes it)
 RESTART_WAIT = 5.0  # seconds from a writer process's start before one that died is started again
 
@@ -66,6 +67,7 @@ class Writer:
         self.last_commit: float | None = None
         self.failing: str | None = None  # why the last batch did not commit (it is tried again)
         self._stuck_waits = 0  # tries in a row that could not commit an entry even alone: each waits longer
+        self._orphans_seen = 0.0  # when journals left by writers that are gone were last looked for
         # A writer process tells the proxy why it is behind through this file (None: a thread, read directly).
         self.status_path: Path | None = None
         self._since_checkpoint = 0
@@ -97,6 +99,8 @@ class Writer:
         while True:
             woken = self._wait(self._timeout(dirty))
             if not woken and not self.failing:
+                if time.monotonic() - self._orphans_seen >= ORPHAN_SCAN:
+                    self._replay_orphans(store, ingest)  # a writer gone after this one started left one
                 if self._unindexed_since is not None:
                     self._index_search(store)
                 if dirty and time.time() - (self.last_commit or 0) >= CHECKPOINT_IDLE:
@@ -132,12 +136,8 @@ class Writer:
                 store = Store(self.db_path)
                 store.manage_checkpoints()  # checkpoints happen here, between batches
                 ingest = Ingest(store)
-                orphans = [j for j in Journal.orphans(self.db_path) if j.folder != self.journal.folder]
-                for orphan in orphans:
-                    log.info(f"stepmill: replaying the journal {orphan.folder} left by a writer that stopped")
-                    while self._drain(store, ingest, orphan):
-                        pass
-                    orphan.retire(store)
+                forget_removed(store)
+                self._replay_orphans(store, ingest)
                 if self.failing is not None and self.failing.startswith("the writer cannot start"):
                     log.warning("stepmill: the writer started")
                     self._set_failing(None)
@@ -152,6 +152,19 @@ class Writer:
             self._wait(RETRY_WAIT)
             if self._stop:
                 return None
+
+    def _replay_orphans(self, store: Store, ingest: Ingest) -> None:
+        """Commit and retire the journals whose writers are gone (their lock is free): at start, and every
+        ORPHAN_SCAN while idle, for a writer that outlived this one's start (its grace after its proxy died)."""
+        self._orphans_seen = time.monotonic()
+        for orphan in Journal.orphans(self.db_path):
+            if orphan.folder == self.journal.folder:
+                continue
+            log.info(f"stepmill: replaying the journal {orphan.folder} left by a writer that stopped")
+            while self._drain(store, ingest, orphan):
+                pass
+            if not orphan.retire(store):
+                orphan.release()  # not all of it committed: the next look takes it again
 
     def _gather(self) -> None:
         """Let the calls of one COMMIT_WINDOW share a transaction, unless a flush or a stop comes first.
@@ -173,13 +186,13 @@ class Writer:
     def _timeout(self, dirty: bool) -> float | None:
         """How long to wait for calls before the next thing to do when none come."""
         if self.failing:
-            return min(RETRY_WAIT * 2 ** self._stuck_waits, STUCK_WAIT)
-        waits = []
+            return min(RETRY_WAIT * 2 ** min(self._stuck_waits, 8), STUCK_WAIT)
+        waits = [ORPHAN_SCAN - (time.monotonic() - self._orphans_seen)]
         if self._unindexed_since is not None:
             waits.append(SEARCH_WAIT - (time.monotonic() - self._unindexed_since))
         if dirty:
             waits.append(CHECKPOINT_IDLE - (time.time() - (self.last_commit or 0)))
-        return max(0.0, min(waits)) if waits else None
+        return max(0.0, min(waits))
 
     def _index_search(self, store: Store) -> None:
         """The steps committed since the last time into the full-text index, in transactions of their
@@ -251,6 +264,7 @@ class Writer:
             self._positions.pop(journal.id, None)
             self._note_failure(exc)
             return False
+        journal.drop_before(entries[-1][0])  # after the commits, outside them: a refused unlink is no bad entry
         if self.failing is not None:
             log.warning("stepmill: the database takes writes again")
             self._set_failing(None)
@@ -277,17 +291,22 @@ class Writer:
 
     def _commit_split(self, store: Store, ingest: Ingest, journal: Journal, entries: list) -> None:
         """Commit ``entries``. A batch that fails for anything but the file taking no writes is halved, and
-        each half committed on its own, until the entry that fails stands alone: that one is committed as
-        one error step saying why (with its raw bytes), and the rest go on. StoreUnavailable, or an entry
+        each half committed on its own, until the entry that fails stands alone: that one is tried once more,
+        then committed as one error step saying why (with its raw bytes), and the rest go on. StoreUnavailable, or an entry
         that cannot be committed even as an error step, raises: the batch waits in the journal."""
         try:
             self._commit(store, ingest, journal, entries)
         except StoreUnavailable:
             raise
-        except Exception as exc:
+        except Exception:
             if len(entries) == 1:
-                payload = entries[0][1]
-                self._commit(store, ingest, journal, entries, [functools.partial(ingest.poison_entry, payload, exc)])
+                try:  # once more alone: a passing failure (memory short for a moment) is no poison
+                    self._commit(store, ingest, journal, entries)
+                except StoreUnavailable:
+                    raise
+                except Exception as again:
+                    poison = functools.partial(ingest.poison_entry, entries[0][1], again)
+                    self._commit(store, ingest, journal, entries, [poison])
                 return
             half = len(entries) // 2
             self._commit_split(store, ingest, journal, entries[:half])
@@ -317,7 +336,6 @@ class Writer:
         self._positions[journal.id] = entries[-1][0]
         self.committed += len(entries)
         self.last_commit = time.time()
-        journal.drop_before(entries[-1][0])
 
     @staticmethod
     def _prepare(store: Store, ingest: Ingest, payloads: list[bytes]) -> list[Callable[[], str]]:
