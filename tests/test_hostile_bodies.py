@@ -64,6 +64,7 @@ VALUES = {  # the hostile value, as JSON text (or not)
 HONEST_STREAMS = 16
 TAGGED = re.compile(r"tag-[a-z0-9-]+")
 NOT_READ = "forwarded untouched"  # the note of a body the event loop could not read
+REFUSED = "stepmill refused this call"  # the proxy's own 400 to a Messages or Gemini body it cannot translate
 
 
 @dataclass
@@ -388,6 +389,8 @@ def expect(campaign, case: Case) -> Expect:
         return Expect(404, "error", ("upstream answered 404",)) if case.name == "tag-bad-path" else \
             Expect(502, "error") if case.name == "tag-invalid-utf8-host" else Expect(200, "ok")
     value = case.name.removeprefix("h-").removesuffix("-" + case.api)
+    if value in UNREADABLE and registry.by_api(case.api).via_chat is not None:  # served through the engine's chat:
+        return Expect(400, "error", (UNREADABLE[value], REFUSED))  # the proxy's own 400, nothing forwarded
     if value in UNREADABLE:
         return Expect(campaign.directs[case.name], "error", (UNREADABLE[value],), NOT_READ, untouched=True)
     return Expect(campaign.directs[case.name] if received(campaign, case) == "untouched" else ANY)

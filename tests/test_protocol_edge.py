@@ -18,12 +18,30 @@ BEARER = {"Authorization": f"Bearer {KEY}"}  # the engine's own way: the tests o
 
 
 @pytest.fixture(scope="module")
-def keyed(tmp_path_factory):
-    """A proxy in front of an engine that checks keys: (proxy, engine)."""
-    engine = Upstream(tmp_path_factory.mktemp("keyed-engine")).start()
-    engine.api_key = KEY
-    proxy = launch_proxy(tmp_path_factory.mktemp("edge-proxy"), f"https://127.0.0.1:{engine.port}",
-                         "--set", f"ssl_verify_upstream_trusted_ca={engine.ca}", "--set", "termlog_verbosity=warn")
+def engine(tmp_path_factory) -> Upstream:
+    """An engine that checks keys."""
+    started = Upstream(tmp_path_factory.mktemp("keyed-engine")).start()
+    started.api_key = KEY
+    return started
+
+
+def proxy_in_front(tmp, engine: Upstream):
+    return launch_proxy(tmp, f"https://127.0.0.1:{engine.port}", "--set", f"ssl_verify_upstream_trusted_ca={engine.ca}",
+                        "--set", "termlog_verbosity=warn")
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory, engine):
+    """A proxy in front of the engine that checks keys: (proxy, engine)."""
+    proxy = proxy_in_front(tmp_path_factory.mktemp("edge-proxy"), engine)
+    yield proxy, engine
+    stop_proxy(proxy)
+
+
+@pytest.fixture
+def fresh(tmp_path, engine):
+    """A proxy of its own, whose first call to the engine probes it: the key must reach the probe too."""
+    proxy = proxy_in_front(tmp_path, engine)
     yield proxy, engine
     stop_proxy(proxy)
 
@@ -84,9 +102,9 @@ def test_a_messages_call_that_cannot_be_translated_gets_the_proxys_400_in_messag
 
 
 @pytest.mark.parametrize("sent_as", ["x-goog-api-key", "?key="])
-def test_a_gemini_key_reaches_an_engine_that_checks_keys(keyed, sent_as):
+def test_a_gemini_key_reaches_an_engine_that_checks_keys(fresh, sent_as):
     """Before: the probe and the translated call carried no Authorization, the engine answered 401."""
-    proxy, engine = keyed
+    proxy, engine = fresh
     marker = uuid.uuid4().hex
     path = GEMINI.format(model="m") + (f"?key={KEY}" if sent_as == "?key=" else "")
     headers = {"x-goog-api-key": KEY} if sent_as == "x-goog-api-key" else {}
@@ -98,8 +116,8 @@ def test_a_gemini_key_reaches_an_engine_that_checks_keys(keyed, sent_as):
     assert KEY not in str(step)  # the key is carried, never written
 
 
-def test_a_messages_key_reaches_an_engine_that_checks_keys(keyed):
-    proxy, engine = keyed
+def test_a_messages_key_reaches_an_engine_that_checks_keys(fresh):
+    proxy, engine = fresh
     marker = uuid.uuid4().hex
     answer = post(proxy, "/v1/messages", raw=messages_body(marker), headers={"x-api-key": KEY})
     assert answer.status_code == 200, answer.text
