@@ -102,6 +102,7 @@ def test_recipe_through_the_runner(name, proxy, simulated_llm, marker, tmp_path)
     done, trajectories, detail = run_recipe(name, proxy, simulated_llm.url, "qwen-sim", marker, tmp_path,
                                             tasks=2, timeout=180)
     assert "4 runs finished (0 failed, 0 timed out)" in done.stderr, detail
+    assert {json.loads(t["metadata"]).get("isolation") for t in trajectories} == {"sandbox"}, detail
     assert len(trajectories) == 4 and {t["status"] for t in trajectories} == {"complete"}
     assert all(t["reward"] in (0.0, 1.0) for t in trajectories), detail
     steps = proxy.steps("s.trajectory_id LIKE ?", [f"{name}-{marker}-%"], count=4)

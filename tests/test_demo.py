@@ -33,6 +33,8 @@ def test_the_demo_runs_every_stage(tmp_path):
                        " count(DISTINCT group_id) AS groups FROM trajectories GROUP BY 1 ORDER BY 1")
     assert [(r["agent"], r["n"], r["done"], r["groups"]) for r in rows] == [("token-loop", 80, 80, 20),
                                                                            ("tool-loop", 80, 80, 20)]
+    isolations = store.query("SELECT DISTINCT json_extract(metadata, '$.isolation') AS isolation FROM trajectories")
+    assert [r["isolation"] for r in isolations] == ["sandbox"]  # every run sandboxed, none fell back to none
     steps = store.query("SELECT api, count(*) AS n, sum(token_provenance = 'exact') AS exact FROM steps GROUP BY api")
     assert {r["api"] for r in steps} == {"control", "openai.chat"} and all(r["n"] == r["exact"] for r in steps)
     # curate: every trajectory scored, right and wrong both present, the review pass recorded

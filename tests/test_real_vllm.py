@@ -413,11 +413,18 @@ def _rollout_config(tmp_path, proxy, vllm, marker, agents, tasks=2, n=2) -> str:
                            model=vllm.model, timeout=240, extra_route=f'tokenizer = "{vllm.model_dir}"'))
 
 
+def _isolations(store, pattern: str) -> set:
+    """How the runs of the trajectories matching ``pattern`` were isolated."""
+    return {row["isolation"] for row in store.query("SELECT json_extract(metadata, '$.isolation') AS isolation"
+                                                    " FROM trajectories WHERE id LIKE ?", [pattern])}
+
+
 def test_shipped_agents_through_the_runner(engine_proxy, vllm, marker, tmp_path):
     config = _rollout_config(tmp_path, engine_proxy, vllm, marker, ["tool-loop", "token-loop"])
     done = subprocess.run(STEPMILL + ["rollout", config, "--no-progress"], capture_output=True, text=True,
                           timeout=540)
     assert "8 runs finished (0 failed, 0 timed out)" in done.stderr, done.stderr
+    assert _isolations(engine_proxy.store(), f"vllm-{marker}-%") == {"sandbox"}
     steps = engine_proxy.steps("s.trajectory_id LIKE ?", [f"vllm-{marker}-%"], count=8)
     assert {s["token_provenance"] for s in steps} == {"exact"}, [(s["trajectory_id"], s["token_provenance"])
                                                                for s in steps]
@@ -443,6 +450,7 @@ def test_demo_on_the_real_vllm(vllm, tmp_path):
     from stepmill.store import Store
 
     store = Store(str(tmp_path / "demo" / "stepmill.db"))
+    assert _isolations(store, "%") == {"sandbox"}
     provenance = store.query("SELECT token_provenance, count(*) AS n FROM steps GROUP BY 1")
     assert {r["token_provenance"] for r in provenance} == {"exact"}, provenance
 
@@ -466,6 +474,7 @@ def test_recipe_against_the_real_vllm(name, engine_proxy, vllm, marker, tmp_path
     done, trajectories, detail = run_recipe(
         name, engine_proxy, vllm.url, vllm.model, marker, tmp_path, tasks=1, timeout=150,
         agent_edit=lambda text: text.replace(*SHORT_CALLS[name]) if name in SHORT_CALLS else text)
+    assert {json.loads(t["metadata"]).get("isolation") for t in trajectories} == {"sandbox"}, detail
     steps = engine_proxy.steps("s.trajectory_id LIKE ?", [f"{name}-{marker}-%"], count=2)
     print(name, done.stderr[-300:], [(s["api"], s["status"], s["token_provenance"]) for s in steps])
     assert {(s["api"], s["engine_api"]) for s in steps} == {(APIS[name], ENGINE_APIS.get(name))}, detail
