@@ -4,7 +4,8 @@ sandboxed run is open, a host process binds the address a door would have had (w
 registration holds, when that is an address), 127.0.0.1 and another loopback address, and calls the
 proxy as the run would: without credentials, and with the run's registered door value as its key.
 It gets nothing of the run's (every call refused, nothing written), and the refusal is the same
-whatever address it came from.
+whatever address it came from. Given the run's own secret (read off the run's environment), it is
+refused just the same: the secret admits nothing that did not come through the run's door.
 """
 
 from __future__ import annotations
@@ -26,22 +27,41 @@ from .test_adversarial import MODEL, TASKS, black_box, run_rollout, stop_stack
 from .test_door_reach import sandbox_stack
 
 HOST_PROCESS = r'''
-import http.client, json, socket, sys
+import base64, http.client, json, socket, sys
 proxy_port, base, marker, door = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-addresses = json.loads(sys.argv[5])
+addresses, secret = json.loads(sys.argv[5]), sys.argv[7]
+lent = {"Proxy-Authorization": "Basic " + base64.b64encode(secret.encode()).decode()}
 body = json.dumps({"model": sys.argv[6], "messages": [{"role": "user", "content": f"BORROWED-{marker}"}]})
 out = {}
 for address in addresses:
-    for keyed in (False, True):
+    for how, given in (("plain", {}), ("keyed", {"X-Stepmill-Door": door}), ("secret", lent)):
         conn = http.client.HTTPConnection("127.0.0.1", proxy_port, timeout=15, source_address=(address, 0))
-        headers = {"Content-Type": "application/json", **({"X-Stepmill-Door": door} if keyed else {})}
-        conn.request("POST", base + "/chat/completions", body=body, headers=headers)
+        conn.request("POST", base + "/chat/completions", body=body, headers={"Content-Type": "application/json", **given})
         response = conn.getresponse()
-        out[f"{address} {'keyed' if keyed else 'plain'}"] = {"status": response.status,
+        out[f"{address} {how}"] = {"status": response.status,
                                                              "body": response.read().decode("utf-8", "replace")}
         conn.close()
 print(json.dumps(out))
 '''
+
+
+def _lent_secret(trajectory: str) -> str:
+    """The run's own proxy credentials (user:secret), as a host process that reads the run's environment
+    has them (this test is root: /proc/<pid>/environ of the run's agent)."""
+    import urllib.parse
+    from pathlib import Path
+
+    def found():
+        for environ in Path("/proc").glob("[0-9]*/environ"):
+            try:
+                values = dict(item.split("=", 1) for item in environ.read_text(errors="replace").split("\0") if "=" in item)
+            except OSError:
+                continue
+            if values.get("STEPMILL_TRAJECTORY") == trajectory and values.get("HTTP_PROXY"):
+                parts = urllib.parse.urlsplit(values["HTTP_PROXY"])
+                return f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password)}"
+        return None
+    return wait_until(found, timeout=60, interval=0.2, what="the run's secret in its environment")
 
 
 def _other_loopback() -> str:
@@ -73,8 +93,9 @@ def test_a_host_process_on_a_doors_address_gets_nothing_of_the_run(simulated_llm
                 addresses.insert(0, door)  # a door known by its address: the one a scanner finds
         except ValueError:
             pass
+        secret = _lent_secret(trajectory)
         done = subprocess.run([sys.executable, "-c", HOST_PROCESS, str(stack.port), simulated_llm.url, marker, door,
-                               json.dumps(addresses), MODEL], capture_output=True, text=True, timeout=120, check=True)
+                               json.dumps(addresses), MODEL, secret], capture_output=True, text=True, timeout=120, check=True)
         got = json.loads(done.stdout)
         rollout.join(200)
     finally:
@@ -83,9 +104,11 @@ def test_a_host_process_on_a_doors_address_gets_nothing_of_the_run(simulated_llm
     try:
         for attempt, answer in got.items():
             assert answer["status"] == 403, f"a host process was let through as the run ({attempt}): {answer}"
-        for keyed in ("plain", "keyed"):  # the same refusal whatever the address
+        for keyed in ("plain", "keyed", "secret"):  # the same refusal whatever the address
             bodies = {attempt: answer["body"] for attempt, answer in got.items() if attempt.endswith(keyed)}
             assert len(set(bodies.values())) == 1, bodies
+        plain, lent = (got[f"127.0.0.1 {how}"]["body"] for how in ("plain", "secret"))
+        assert lent == plain, f"the run's secret got another answer than an unknown caller's: {lent}"
         store = Store(str(stack.db))
         try:
             borrowed = [row for row in store.iter_steps() if f"BORROWED-{marker}" in json.dumps(row)]

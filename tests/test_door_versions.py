@@ -1,8 +1,11 @@
 """A white-box step's policy version is what the runner saw its engine answer, never a field of the
-run's own lines: a real sandboxed white-box run (tests/adversary/door_versions.py) generates once
-through its engine door, then writes lines claiming ``weight_versions: [{"version": "999"}]`` for
-those very output ids and for ids the engine never answered. The first two steps carry the version
-the engine named; the third, which no answer backs, is stamped by the clock; none says 999.
+run's own lines, and a step no engine answer backs is not the run's to make: a real sandboxed
+white-box run (tests/adversary/door_versions.py) generates once through its engine door, then writes
+lines claiming ``weight_versions: [{"version": "999"}]`` for those very output ids again and for ids
+the engine never answered. The honest step carries the version the engine named and the time the
+door saw its request; the two forged lines are refused ("no engine answer carried these ids"),
+never stamped by the clock; none says 999. Then it sends its engine door a 300 MiB body: answered
+413 before the runner holds it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def _label(simulated_llm, version: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_white_box_line_that_claims_a_version_gets_the_engines_or_none(simulated_llm, tmp_path_factory):
+def test_a_white_box_run_chooses_no_version_forges_no_step_and_sends_no_huge_body(simulated_llm, tmp_path_factory):
     stack = sandbox_stack(simulated_llm, tmp_path_factory, "door-versions")
     marker = stack.marker
     agents = (f'[[agent]]\nname = "wb"\nentry = "tests.adversary.door_versions:run"\n'
@@ -43,7 +46,6 @@ def test_a_white_box_line_that_claims_a_version_gets_the_engines_or_none(simulat
         stop_stack(stack)
     trajectory = f"claim-{marker}-t01-0"
     try:
-        assert rollout.done.returncode == 0, rollout.done.stderr
         store = Store(str(stack.db))
         try:
             steps = store.query("SELECT step_index, policy_version, metadata FROM steps WHERE trajectory_id = ?"
@@ -52,8 +54,12 @@ def test_a_white_box_line_that_claims_a_version_gets_the_engines_or_none(simulat
             store.close()
         versions = [step["policy_version"] for step in steps]
         assert "999" not in versions, f"a run chose its own policy version: {versions}"
-        assert versions[:2] == [f"engine-{marker}"] * 2, versions  # what the engine said of those ids
-        assert len(versions) == 3 and versions[2] == f"pv-{marker}", versions  # no answer backs it: the clock
-        assert "version_from" not in json.loads(steps[2]["metadata"] or "{}"), steps[2]
+        assert versions == [f"engine-{marker}"], f"a step no engine answer backs was kept: {versions}"
+        assert json.loads(steps[0]["metadata"] or "{}").get("version_from") == "engine", steps[0]
+        errors = rollout.trajectories[trajectory]["metadata"].get("submit_errors", [])
+        assert [error for error in errors if "no engine answer carried these ids" in error] == errors, errors
+        assert len(errors) == 2, errors
+        budget = next(line for line in rollout.logs[trajectory].splitlines() if line.startswith("BODY-BUDGET"))
+        assert " 413 " in budget and "at most 67108864 bytes" in budget, f"the door carried a 300 MiB body: {budget}"
     finally:
         shutil.rmtree(stack.base, ignore_errors=True)  # the runs' folders too: beside its database

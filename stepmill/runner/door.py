@@ -32,7 +32,9 @@ from stepmill.auth.secret_hashes import new_secret
 from stepmill.runner.door_answers import EngineAnswers
 
 INSIDE = str(Path(__file__).with_name("door_inside.py"))
-HEAD_LIMIT = 64 * 1024  # bytes of a request head the engine door reads at most
+HEAD_LIMIT = 64 * 1024  # bytes of a request head a door reads at most (longer: the connection is closed)
+MAX_BODY = 64 * 1024 * 1024  # bytes of a request body the engine door carries (the proxy's stepmill_max_body)
+CHUNK = 65536  # bytes carried at a time: what a run sends never piles up in the runner
 
 
 def new_key() -> str:
@@ -82,7 +84,7 @@ class Doors:
                 handler = lambda r, w, way=way: self._gate(r, w, way, answers)  # noqa: E731
             else:
                 handler = lambda r, w, way=way: self._carry(r, w, way, door_key)  # noqa: E731
-            server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(handler, path), self.loop).result(30)
+            server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(handler, path, limit=HEAD_LIMIT), self.loop).result(30)
             os.chmod(path, 0o666)  # the run may be another uid (root in the sandbox needs no mode)
             servers.append(server)
             args += ["--listen", f"{way.port}={path}"]
@@ -133,14 +135,15 @@ class Doors:
         up_writer.close()
 
     async def _gate(self, reader, writer, way: Way, answers: EngineAnswers) -> None:
-        """One request: its head read whole and checked, its body (Content-Length) carried, then the
-        answer until the engine closes, read as it passes (``answers``). What follows the body is
-        never sent on."""
+        """One request: its head read whole and checked, its body (Content-Length, at most
+        ``MAX_BODY``) carried as it comes, then the answer until the engine closes, read as it passes
+        (``answers``). What follows the body is never sent on."""
         try:
             head = await reader.readuntil(b"\r\n\r\n")
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
             writer.close()
             return
+        seen = answers.reading()  # the answer's time is when the door saw the request
         lines = head.decode("latin-1").split("\r\n")
         method, _, rest = lines[0].partition(" ")
         target = rest.rpartition(" ")[0] or rest
@@ -154,6 +157,9 @@ class Doors:
             refusal = b"403 Forbidden", b"an engine's admin routes are not for runs"
         elif "transfer-encoding" in names or not length.isdigit():
             refusal = b"411 Length Required", b"a run's request to its engine needs a Content-Length"
+        elif int(length) > MAX_BODY:
+            refusal = (b"413 Content Too Large",
+                       b"a run's request to its engine is at most %d bytes" % MAX_BODY)
         if refusal is not None:
             body = b'{"error": "stepmill: ' + refusal[1] + b'"}'
             writer.write(b"HTTP/1.1 " + refusal[0] + b"\r\nContent-Type: application/json\r\nConnection: close\r\n"
@@ -168,12 +174,12 @@ class Doors:
         kept = [line for line in headers if line.partition(":")[0].strip().lower() not in ("connection", "keep-alive")]
         up_writer.write(("\r\n".join([lines[0], *kept, "Connection: close"]) + "\r\n\r\n").encode("latin-1"))
         try:
-            up_writer.write(await reader.readexactly(int(length)))
+            await _carry_body(reader, up_writer, int(length))
         except (asyncio.IncompleteReadError, OSError):
             await _close(up_writer)
             writer.close()
             return
-        await _pump_answer(up_reader, writer, answers)
+        await _pump_answer(up_reader, writer, answers, seen)
         await _close(up_writer)
 
 
@@ -189,10 +195,18 @@ def with_door_key(head: bytes, door_key: str) -> bytes | None:
     return b"\r\n".join([lines[0], DOOR_HEADER.encode() + b": " + door_key.encode(), *kept]) + b"\r\n\r\n"
 
 
-async def _pump_answer(reader, writer, answers: EngineAnswers) -> None:
-    """The engine's answer to the run, read as it passes. The last piece is held until the engine
-    closed and the answer was read: the run never has a whole answer the runner has not seen."""
-    seen = answers.reading()
+async def _carry_body(reader, writer, length: int) -> None:
+    """``length`` bytes of a run's request body to the engine, a chunk at a time."""
+    while length:
+        data = await reader.readexactly(min(length, CHUNK))
+        writer.write(data)
+        await writer.drain()
+        length -= len(data)
+
+
+async def _pump_answer(reader, writer, answers: EngineAnswers, seen) -> None:
+    """The engine's answer to the run, read as it passes (``seen``). The last piece is held until the
+    engine closed and the answer was read: the run never has a whole answer the runner has not seen."""
     held = b""
     try:
         while data := await reader.read(65536):

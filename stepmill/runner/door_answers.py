@@ -1,28 +1,37 @@
-"""What a white-box run's engine door saw its engine answer: each choice's output token ids and the
-weight versions that sampled them, as the engine sends them (vLLM's token route,
+"""What a white-box run's engine door saw its engine answer: each choice's output token ids, the
+weight versions that sampled them where the engine names them (vLLM's token route,
 ``/inference/v1/generate``: ``choices[i].weight_versions`` spans over the output tokens, in a
-whole body or on a stream's final chunk; ``stepmill simulate-llm`` answers alike).
+whole body or on a stream's final chunk; ``stepmill simulate-llm`` answers alike), and when the door
+saw the request.
 
 Read in the runner's door thread as the answer passes, kept per run, and looked up by the runner's
-step reader with the output ids a step line reports: a step gets the version the engine gave
-those very tokens, or none (it is then stamped by when it began). A line's own version fields are
-never read.
+step reader with the output ids a step line reports (each answer backs one step): a step no answer
+carried is not the engine's and is refused; one the engine answered gets the version the engine gave those very tokens, or is
+stamped by when the door saw its request. A line's own version and time fields are never read.
+
+Only what versions need is kept (ids packed 8 bytes each, spans), within ``KEPT_BYTES`` per run:
+past it the oldest answers go first, and a step reported after its answer went is refused like one
+no answer carried (a run that holds back its steps that long loses them, never the runner's memory).
 """
 
 from __future__ import annotations
 
+import array
 import json
 import threading
+import time
 import zlib
 
-MAX_ANSWER = 32 * 1024 * 1024  # bytes of one answer read at most; a longer one gives no version
-KEPT = 4096  # answers kept per run (the oldest go first): far more than a run's unreported calls
+MAX_ANSWER = 32 * 1024 * 1024  # bytes of one answer read at most; a longer one backs no step
+KEPT_BYTES = 16 * 1024 * 1024  # what one run's kept answers may hold (2M output tokens at 8 bytes)
+ENTRY_BYTES = 128  # what one kept answer costs beside its ids and spans
 
 
 class Answer:
-    """The bytes of one answer as they pass, up to ``MAX_ANSWER``."""
+    """The bytes of one answer as they pass, up to ``MAX_ANSWER``, and when the door saw its request."""
 
     def __init__(self):
+        self.asked_at = time.time()
         self.parts: list[bytes] = []
         self.size = 0
 
@@ -36,12 +45,13 @@ class Answer:
 
 
 class EngineAnswers:
-    """One run's engine answers: output ids -> {"weight_versions": spans}. Written by the door thread,
-    read by the step reader."""
+    """One run's engine answers: packed output ids -> {"weight_versions": spans, "asked_at": time}.
+    Written by the door thread, read by the step reader."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.by_ids: dict[tuple, dict] = {}
+        self.by_ids: dict[bytes, dict] = {}
+        self.size = 0  # bytes the kept answers count for, at most KEPT_BYTES
 
     @staticmethod
     def reading() -> Answer:
@@ -52,26 +62,47 @@ class EngineAnswers:
         if raw is None:
             return
         for ids, spans in versions_in(raw):
+            packed = _packed(ids)
+            if packed is None:
+                continue
+            said = {"weight_versions": spans, "asked_at": answer.asked_at, "backs": 1,
+                    "size": len(packed) + len(json.dumps(spans)) + ENTRY_BYTES}
             with self.lock:
-                self.by_ids[ids] = {"weight_versions": spans}
-                while len(self.by_ids) > KEPT:
-                    del self.by_ids[next(iter(self.by_ids))]
+                known = self.by_ids.pop(packed, None)
+                if known is not None:  # the same ids answered again: one more step they back
+                    said["backs"] += known["backs"]
+                self.size += said["size"] - (known["size"] if known else 0)
+                self.by_ids[packed] = said
+                while self.size > KEPT_BYTES and self.by_ids:  # the oldest go first
+                    self.size -= self.by_ids.pop(next(iter(self.by_ids)))["size"]
 
-    def said(self, response_ids) -> dict:
-        """What the engine said of the answer with these output ids: {"weight_versions": spans}, or {}."""
-        if not isinstance(response_ids, list):
-            return {}
-        try:
-            ids = tuple(response_ids)
-            with self.lock:
-                return self.by_ids.get(ids, {})
-        except TypeError:  # ids that are no ids (a dict in the list) match nothing
-            return {}
+    def claim(self, response_ids) -> dict | None:
+        """What the engine said of the answer with these output ids ({"weight_versions": spans,
+        "asked_at": when the door saw the request}), or None: no kept answer carried them. An answer
+        backs one step: claimed, it is gone (a line sent twice is one step)."""
+        packed = _packed(response_ids) if isinstance(response_ids, list) else None
+        if packed is None:
+            return None
+        with self.lock:
+            said = self.by_ids.get(packed)
+            if said is not None:
+                said["backs"] -= 1
+                if not said["backs"]:
+                    self.size -= self.by_ids.pop(packed)["size"]
+            return said
 
 
-def versions_in(raw: bytes) -> list[tuple[tuple, list]]:
-    """(output ids, weight version spans) of each choice of an HTTP answer (status 200), whole or
-    streamed (SSE); nothing where the engine named no versions or the answer cannot be read."""
+def _packed(ids) -> bytes | None:
+    """Token ids as 8-byte integers: what is kept and looked up; None for what are no such ids."""
+    try:
+        return array.array("q", ids).tobytes()
+    except (TypeError, OverflowError):
+        return None
+
+
+def versions_in(raw: bytes) -> list[tuple[list, list]]:
+    """(output ids, weight version spans, [] where the engine named none) of each choice of an HTTP
+    answer (status 200), whole or streamed (SSE); nothing where the answer cannot be read."""
     head, _, body = raw.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     if len(lines[0].split(" ")) < 2 or lines[0].split(" ")[1] != "200":
@@ -92,7 +123,7 @@ def versions_in(raw: bytes) -> list[tuple[tuple, list]]:
         return []
 
 
-def _streamed(body: bytes) -> list[tuple[tuple, list]]:
+def _streamed(body: bytes) -> list[tuple[list, list]]:
     events = []
     for line in body.split(b"\n"):
         line = line.strip()
@@ -101,7 +132,7 @@ def _streamed(body: bytes) -> list[tuple[tuple, list]]:
     return _spans_of(events)
 
 
-def _spans_of(payloads: list) -> list[tuple[tuple, list]]:
+def _spans_of(payloads: list) -> list[tuple[list, list]]:
     """Each choice's ids (joined across a stream's chunks) and its spans (on whichever chunk has them)."""
     ids: dict[int, list] = {}
     spans: dict[int, list] = {}
@@ -115,11 +146,8 @@ def _spans_of(payloads: list) -> list[tuple[tuple, list]]:
             if isinstance(choice.get("weight_versions"), list):
                 spans[index] = [span for span in choice["weight_versions"]
                                 if isinstance(span, dict) and {"version", "start", "end"} <= span.keys()]
-    found = []
-    for index, given in spans.items():
-        if given and index in ids and all(isinstance(token, int) for token in ids[index]):
-            found.append((tuple(ids[index]), given))
-    return found
+    return [(given, spans.get(index, [])) for index, given in ids.items()
+            if all(isinstance(token, int) and not isinstance(token, bool) for token in given)]
 
 
 def _dechunked(body: bytes) -> bytes:

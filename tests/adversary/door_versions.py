@@ -1,8 +1,16 @@
-"""A white-box entry (``tests.adversary.door_versions:run``) that claims its own policy version: after
-one honest generation it writes, on its own steps pipe, a line for that generation's very output ids
-and a line for ids the engine never answered, each saying ``weight_versions: [{"version": "999"}]``."""
+"""A white-box entry (``tests.adversary.door_versions:run``) that chooses its own policy version and
+tokens, and leans on its engine door: after one honest generation it writes, on its own steps pipe,
+a line for that generation's very output ids again and a line for ids the engine never answered,
+each saying ``weight_versions: [{"version": "999"}]`` and a ``started_at`` of its choosing; then it
+sends its engine door a request that says it carries 300 MiB, and does send them. What the door
+answered goes to its log (``BODY-BUDGET: <status line>``)."""
 
 import json
+import os
+import socket
+import urllib.parse
+
+HUGE = 300 * 1024 * 1024
 
 
 def run(task, session):
@@ -12,7 +20,28 @@ def run(task, session):
     claimed = [{"version": "999", "start": 0, "end": 3}]
     for response_ids in (first.ids, session.encode("never answered by the engine")):
         line = {"prompt_ids": ids, "response_ids": response_ids, "finish_reason": "stop", "messages": user,
-                "completion": {"role": "assistant", "content": "forged"}, "weight_versions": claimed}
+                "completion": {"role": "assistant", "content": "forged"}, "weight_versions": claimed,
+                "started_at": 1.0}
         session.out.write(json.dumps(line) + "\n")
         session.out.flush()
+    print(f"BODY-BUDGET: {_huge_body()}", flush=True)
     return first.text
+
+
+def _huge_body() -> str:
+    """Sends a 300 MiB body to the engine door and answers the status line it got back."""
+    engine = urllib.parse.urlsplit(os.environ["STEPMILL_ENGINE_URL"])
+    sock = socket.create_connection((engine.hostname, engine.port), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % HUGE)
+    chunk = b" " * (1024 * 1024)
+    try:
+        for _ in range(HUGE // len(chunk)):
+            sock.sendall(chunk)
+    except OSError:
+        pass  # the door stopped reading: its answer says why
+    try:
+        answer = sock.recv(65536)
+    except OSError as exc:
+        return f"no answer ({exc})"
+    return answer[:500].decode("latin-1").replace("\r\n", " | ")
