@@ -222,14 +222,15 @@ def _run_one(site: RunSite, job: Job, admission: Admission) -> Outcome | None:
     if site.stop.is_set():
         return None
     uid = site.uids.take()
-    running = None
+    place = running = None
     try:
-        running = _prepare(site, job, admission, uid)
+        place = iso.RunPlace(new_run_folder(site.runs_root, job.trajectory), job.trajectory, uid)
+        running = _prepare(site, job, admission, place)
         _launch(site, running)
         _wait(site, running)
     finally:
-        if running is not None:
-            site.policy.end(running.place)  # however it ended: what its mode leaves behind goes
+        if place is not None:
+            site.policy.end(place)  # however it ended, or if it never started: what its mode leaves behind goes
         site.uids.give(uid)  # a run that failed to start frees its uid too
         if admission.door is not None:
             site.doors.close(job.trajectory)
@@ -262,11 +263,9 @@ class Running:
     submitted: dict = field(default_factory=lambda: {"steps": 0, "errors": []})
 
 
-def _prepare(site: RunSite, job: Job, admission: Admission, uid: int) -> Running:
-    """The run's folder, command and environment, as its isolation mode shapes them."""
-    agent, trajectory = job.agent, job.trajectory
-    run_dir = new_run_folder(site.runs_root, trajectory)
-    place = iso.RunPlace(run_dir, trajectory, uid)
+def _prepare(site: RunSite, job: Job, admission: Admission, place: iso.RunPlace) -> Running:
+    """The run's folder filled, its command and environment, as its isolation mode shapes them."""
+    agent, trajectory, run_dir = job.agent, job.trajectory, place.run_dir
     place.workdir.mkdir()
     run_bundle = run_dir / "ca-bundle.pem"  # the run's own copy: the confdir stays hidden
     shutil.copyfile(site.bundle, run_bundle)

@@ -34,8 +34,8 @@ class RunPlace:
 
 @dataclass
 class Start:
-    """How the run's first process is made: its command line, what runs in the child before exec
-    (after the runner put it in its control group), and whether it counts its own processes."""
+    """How the run's first process is made: its command line, and what runs in the child before exec
+    (after the runner put it in its control group)."""
 
     command: list[str]
     preexec: Callable[[], None] | None = None
@@ -44,7 +44,8 @@ class Start:
 class Policy:
     """A mode's rules for one rollout's runs. ``sees`` before the run's environment is final (it
     answers what the environment gains: a home of its own), ``start`` just before it starts,
-    ``end`` once it has ended, however it ended (also when it never started)."""
+    ``end`` once it has ended, however it ended: also when it never started, once its folder exists
+    (``agent_run._run_one``)."""
 
     name = ""
     counts_own_processes = False  # the pids limit is set inside (sandbox), not by the runner's rlimits

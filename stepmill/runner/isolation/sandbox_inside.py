@@ -29,7 +29,7 @@ CLONE_NEWUSER = 0x10000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
 KEYCTL_JOIN_SESSION_KEYRING = 1
 PR_SET_DUMPABLE = 4
-SYS_KEYCTL = 250  # x86_64; aarch64 uses 219
+SYS_KEYCTL = 250 if os.uname().machine == "x86_64" else 219  # aarch64's; user.py uses these too
 READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger")
 
 libc = ctypes.CDLL(None, use_errno=True)
@@ -62,11 +62,11 @@ def any_port() -> None:
 
 
 def become(uid: int, gid: int) -> None:
-    """From root to ``uid``: every capability goes with the change (no keep-caps)."""
+    """From root to ``uid``: every capability goes with the change (no keep-caps). User mode's runs
+    become their uid with this too (user.py)."""
     os.setgroups([])
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
-    libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc/self files are its own again (uid_map)
 
 
 def own_user_namespace() -> None:
@@ -81,8 +81,7 @@ def own_user_namespace() -> None:
 
 
 def new_session_keyring() -> None:
-    number = SYS_KEYCTL if os.uname().machine == "x86_64" else 219
-    if libc.syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+    if libc.syscall(SYS_KEYCTL, KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
         fail("a session keyring")
 
 
@@ -98,6 +97,7 @@ def main(argv: list[str]) -> int:
         read_only_proc()
     if "--uid" in options:
         become(int(options["--uid"]), int(options["--gid"]))
+        libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc/self files are its own again (uid_map)
     if os.geteuid() == 0:
         raise SystemExit("stepmill sandbox: a run never starts as root")
     own_user_namespace()
