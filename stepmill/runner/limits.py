@@ -4,10 +4,11 @@ A run is an RL policy running shell commands: a fork bomb, a memory hog or a flo
 end that run only. Where this machine lets the runner make control groups (cgroup v2, or v1's
 ``pids`` and ``memory`` controllers), a run gets one of its own: its number of processes and its
 memory are limited whole, whatever it forks. Otherwise, and always for CPU time and file size,
-rlimits limit each of its processes; its number of processes then by ``RLIMIT_NPROC``, which the
-kernel counts per user *and user namespace*: a sandboxed run sets it inside a user namespace of its
-own (``isolation/sandbox_inside.py``), so the count is the run's alone, never shared with other runs
-or the runner. The run's record says which (``metadata.limits``) and what it ran into
+rlimits limit each of its processes; its number of processes then by ``RLIMIT_NPROC``, which a
+sandboxed run sets inside a user namespace of its own (``isolation/sandbox_inside.py``). Linux 5.14
+and later count it per user *and user namespace* (ucounts), so the count is the run's alone, never
+shared with other runs or the runner; older kernels count it per uid across namespaces, shared with
+whatever else runs as that uid (the runner too, where it is not root). The run's record says which (``metadata.limits``) and what it ran into
 (``metadata.limits_hit``).
 """
 
