@@ -4,8 +4,9 @@ white-box run (tests/adversary/door_versions.py) generates once through its engi
 lines claiming ``weight_versions: [{"version": "999"}]`` for those very output ids again and for ids
 the engine never answered. The honest step carries the version the engine named and the time the
 door saw its request; the two forged lines are refused ("no engine answer carried these ids"),
-never stamped by the clock; none says 999. Then it sends its engine door a 300 MiB body: answered
-413 before the runner holds it.
+never stamped by the clock; none says 999. Then it sends its engine door a 300 MiB body (answered
+413 before the runner holds it) and a request on a route no run needs (refused: the door is an
+allow-list of inference routes).
 """
 
 from __future__ import annotations
@@ -61,5 +62,7 @@ def test_a_white_box_run_chooses_no_version_forges_no_step_and_sends_no_huge_bod
         assert len(errors) == 2, errors
         budget = next(line for line in rollout.logs[trajectory].splitlines() if line.startswith("BODY-BUDGET"))
         assert " 413 " in budget and "at most 67108864 bytes" in budget, f"the door carried a 300 MiB body: {budget}"
+        route = next(line for line in rollout.logs[trajectory].splitlines() if line.startswith("NEW-ROUTE"))
+        assert " 403 " in route and "inference routes alone" in route, f"the door opened a route no run needs: {route}"
     finally:
         shutil.rmtree(stack.base, ignore_errors=True)  # the runs' folders too: beside its database

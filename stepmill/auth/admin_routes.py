@@ -1,8 +1,8 @@
 """Engine routes no agent may call: they change or reveal what the engine serves (weights, caches,
 sleep, RPC into its workers). vLLM's exist with ``VLLM_SERVER_DEV_MODE=1`` (and runtime LoRA
 updating) and check no key; SGLang's likewise. The proxy refuses them to every caller without the write
-token, and a sandboxed run's door to an engine refuses them outright: only the trainer, which calls
-the engine directly, may."""
+token, and a sandboxed run's door to an engine opens onto ``INFERENCE_ROUTES`` alone: only the
+trainer, which calls the engine directly, may."""
 
 from __future__ import annotations
 
@@ -27,13 +27,33 @@ ADMIN_ROUTES: frozenset[str] = frozenset((
 ))
 
 
+# What a sandboxed run's engine door opens onto: inference alone (an allow-list, so an admin route an
+# engine adds later is closed by construction). vLLM's OpenAI routes and its token route (what
+# stepmill's white-box session calls), its tokenizer routes, SGLang's /generate.
+INFERENCE_ROUTES: frozenset[str] = frozenset((
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/inference/v1/generate",
+    "/tokenize", "/detokenize", "/generate",
+))
+
+
 def is_admin_route(path: str) -> bool:
     """Whether a request path is an admin route: the query string, a trailing slash, repeated slashes,
     dot segments and percent-encoding (which servers undo before routing) do not hide one."""
+    bare = _routed(path)
+    return bare in ADMIN_ROUTES or bare.lower() in ADMIN_ROUTES
+
+
+def is_inference_route(path: str) -> bool:
+    """Whether a request path is one of ``INFERENCE_ROUTES``, as the engine would route it."""
+    return _routed(path) in INFERENCE_ROUTES
+
+
+def _routed(path: str) -> str:
+    """The path a server routes: the query string, a trailing slash, repeated slashes, dot segments and
+    percent-encoding undone."""
     import posixpath
     import urllib.parse
 
     bare = urllib.parse.unquote(path.split("?", 1)[0].split("#", 1)[0])
     bare = posixpath.normpath("/" + bare.lstrip("/")) if bare else "/"
-    bare = bare.rstrip("/") or "/"
-    return bare in ADMIN_ROUTES or bare.lower() in ADMIN_ROUTES
+    return bare.rstrip("/") or "/"

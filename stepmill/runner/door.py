@@ -7,7 +7,7 @@ ports the run was told and carries each connection to a unix socket in the run's
 of each connection gets the run's door key (``DOOR_HEADER``; any the run wrote is dropped): the
 proxy binds the connection to the run by it, and the run never sees the key, so no other process
 of the host can be the run. A white-box run's door to its engine reads each request's head first
-(one request per connection, no admin route: ``stepmill.auth.admin_routes``) and each answer's
+(one request per connection, on inference routes alone: ``stepmill.auth.admin_routes``) and each answer's
 token ids and weight versions (``door_answers``): a step's policy version is what the runner saw
 the engine say, never what the run reports.
 
@@ -26,7 +26,7 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from stepmill.auth.admin_routes import is_admin_route
+from stepmill.auth.admin_routes import INFERENCE_ROUTES, is_inference_route
 from stepmill.auth.runs import DOOR_HEADER
 from stepmill.auth.secret_hashes import new_secret
 from stepmill.runner.door_answers import EngineAnswers
@@ -34,6 +34,7 @@ from stepmill.runner.door_answers import EngineAnswers
 INSIDE = str(Path(__file__).with_name("door_inside.py"))
 HEAD_LIMIT = 64 * 1024  # bytes of a request head a door reads at most (longer: the connection is closed)
 MAX_BODY = 64 * 1024 * 1024  # bytes of a request body the engine door carries (the proxy's stepmill_max_body)
+NAMED_ROUTES = ", ".join(sorted(INFERENCE_ROUTES)).encode()
 CHUNK = 65536  # bytes carried at a time: what a run sends never piles up in the runner
 
 
@@ -50,7 +51,7 @@ class Way:
     port: int  # inside the run, on 127.0.0.1
     host: str
     target_port: int
-    http_gate: bool = False  # an engine: one request per connection, admin routes refused
+    http_gate: bool = False  # an engine: one request per connection, inference routes alone
 
 
 def way_to(url: str, *, http_gate: bool = False) -> Way:
@@ -153,8 +154,8 @@ class Doors:
         length = next((line.partition(":")[2].strip() for line in headers
                        if line.partition(":")[0].strip().lower() == "content-length"), "0")
         refusal = None
-        if is_admin_route(path):
-            refusal = b"403 Forbidden", b"an engine's admin routes are not for runs"
+        if not is_inference_route(path):
+            refusal = b"403 Forbidden", b"a run's engine door opens onto inference routes alone: " + NAMED_ROUTES
         elif "transfer-encoding" in names or not length.isdigit():
             refusal = b"411 Length Required", b"a run's request to its engine needs a Content-Length"
         elif int(length) > MAX_BODY:

@@ -2,8 +2,8 @@
 tokens, and leans on its engine door: after one honest generation it writes, on its own steps pipe,
 a line for that generation's very output ids again and a line for ids the engine never answered,
 each saying ``weight_versions: [{"version": "999"}]`` and a ``started_at`` of its choosing; then it
-sends its engine door a request that says it carries 300 MiB, and does send them. What the door
-answered goes to its log (``BODY-BUDGET: <status line>``)."""
+sends its engine door a request that says it carries 300 MiB (and does send them), and one on a
+route no run needs. What the door answered goes to its log (``BODY-BUDGET: …``, ``NEW-ROUTE: …``)."""
 
 import json
 import os
@@ -24,20 +24,21 @@ def run(task, session):
                 "started_at": 1.0}
         session.out.write(json.dumps(line) + "\n")
         session.out.flush()
-    print(f"BODY-BUDGET: {_huge_body()}", flush=True)
+    print(f"BODY-BUDGET: {_ask('/v1/completions', HUGE)}", flush=True)
+    print(f"NEW-ROUTE: {_ask('/v1/stepmill_new_admin_route', 2)}", flush=True)  # no engine route a run needs
     return first.text
 
 
-def _huge_body() -> str:
-    """Sends a 300 MiB body to the engine door and answers the status line it got back."""
+def _ask(path: str, size: int) -> str:
+    """Sends the engine door a POST of ``size`` bytes (a megabyte at a time) and answers what it got
+    back, on one line."""
     engine = urllib.parse.urlsplit(os.environ["STEPMILL_ENGINE_URL"])
     sock = socket.create_connection((engine.hostname, engine.port), timeout=60)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % HUGE)
-    chunk = b" " * (1024 * 1024)
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % (path.encode(), size))
     try:
-        for _ in range(HUGE // len(chunk)):
-            sock.sendall(chunk)
+        for at in range(0, size, 1024 * 1024):
+            sock.sendall(b" " * min(1024 * 1024, size - at))
     except OSError:
         pass  # the door stopped reading: its answer says why
     try:
