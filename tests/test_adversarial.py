@@ -712,19 +712,18 @@ def _white(stack: Stack) -> tuple[Rollout, str, list[dict]]:
     return rollout, attacker, steps
 
 
-def test_a_white_box_line_gives_only_ids_and_engine_output_never_reward_version_model_or_trajectory(attacked):
+def test_a_white_box_line_no_engine_answer_backs_is_refused_and_no_line_sets_reward_version_model_or_trajectory(attacked):
     stack = attacked("sandbox")
     rollout, attacker, steps = _white(stack)
-    assert "2 runs finished (0 failed, 0 timed out)" in rollout.done.stderr, rollout.done.stderr
+    assert "2 runs finished (1 failed, 0 timed out)" in rollout.done.stderr, rollout.done.stderr  # the forger's
     row = rollout.trajectories[attacker]
-    assert row["metadata"]["submitted_steps"] == 3 and "submit_errors" not in row["metadata"], row["metadata"]
-    assert len(steps) == 3, steps  # first turn, the forged line, the last turn
-    forged = steps[1]
-    assert forged["completion"]["content"] == f"PIPE-FORGED-{stack.marker}"  # ids and engine output: taken
-    assert forged["model"] == MODEL and forged["policy_version"] == f"pv-{stack.marker}"
-    assert forged["channel"] == "train" and forged["group_id"] == f"{rollout.dataset}-t01-wb"
-    assert forged["metadata"] in (None, {}) or "evil" not in json.dumps(forged["metadata"])
+    assert row["metadata"]["submitted_steps"] == 2, row["metadata"]
+    assert row["metadata"]["submit_errors"] == ["step 1: no engine answer carried these ids"], row["metadata"]
+    assert len(steps) == 2, steps  # the first turn and the last: the forged line's ids came from no engine answer
+    assert not _steps_with(stack, f"PIPE-FORGED-{stack.marker}")
     assert {s["model"] for s in steps} == {MODEL} and {s["policy_version"] for s in steps} == {f"pv-{stack.marker}"}
+    assert {s["channel"] for s in steps} == {"train"} and {s["group_id"] for s in steps} == {f"{rollout.dataset}-t01-wb"}
+    assert all(s["metadata"] in (None, {}) or "evil" not in json.dumps(s["metadata"]) for s in steps)
     victim = rollout.tid("t01", "victim")
     victim_steps = [s for s in _all_steps(stack) if s["trajectory_id"] == victim]
     assert len(victim_steps) == 1 and victim_steps[0]["channel"] == "train"
@@ -732,7 +731,7 @@ def test_a_white_box_line_gives_only_ids_and_engine_output_never_reward_version_
     try:
         ids = [s["step_id"] for s in steps] + [attacker]
         rewards = store.query(f"SELECT source, value FROM rewards WHERE target_id IN ({','.join('?' * len(ids))})", ids)
-        assert [r["source"] for r in rewards] == ["rule"] and rewards[0]["value"] != 5.0, rewards
+        assert all(r["source"] == "rule" and r["value"] != 5.0 for r in rewards), rewards
     finally:
         store.close()
 
