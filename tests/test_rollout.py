@@ -15,12 +15,13 @@ from .rollout_files import write_rollout
 def _config(tmp_path, proxy, marker, *, agent_command=None, timeout=60, extra=""):
     tasks = [{"id": f"t{i}", "prompt": f"What is {i} + {i}? ({marker})", "answer": str(2 * i)} for i in range(3)]
     command = agent_command or [sys.executable, "-m", "stepmill.agents.tool_loop", "--model", "{model}"]
+    run_extra, _, isolation_extra = extra.partition("[isolation]")  # its lines join the one [isolation] table
     # The test upstream stands for api.openai.com (tests/redirect_hosts.py sends the calls there), and a run's
     # door judges where its connections really go.
     return write_rollout(tmp_path, proxy, dataset=f"arith-{marker}", command=command, tasks=tasks, agent="tool-loop",
                          env={"OPENAI_API_KEY": "sk-local"},
-                         isolation=f'allow_hosts = ["127.0.0.1:{proxy.upstream.port}"]',
-                         run=f'n = 2\nconcurrency = 3\ntimeout = {timeout}\nmodel = "gpt-test"\n{extra}',
+                         isolation=f'allow_hosts = ["127.0.0.1:{proxy.upstream.port}"]\n{isolation_extra}',
+                         run=f'n = 2\nconcurrency = 3\ntimeout = {timeout}\nmodel = "gpt-test"\n{run_extra}',
                          more=f'[[reward]]\nname = "math-{marker}"\nfunction = "stepmill.rewards.functions:math_answer"\n')
 
 
