@@ -48,7 +48,7 @@
     timeout = 120                             # seconds per run
     channel = "train"
     model = "qwen"
-    # runs_dir = "runs"                       # the runs' folders (default: <database>.runs, beside it)
+    # runs_dir = "runs"                       # the runs' folders: new, empty or stepmill's (default: <database>.runs)
     # keep_runs_days = 7                      # older run folders are removed as a rollout starts (0: kept)
     # max_new_tokens = 4096                   # what one call may add: with an agent's prompt_tokens it must fit
                                               # the engine's context, or the rollout is refused (context_fit.py)
@@ -115,8 +115,8 @@ class RolloutSettings:
     runs_per_node: int | None = None  # Ray: concurrent runs on each node (default: concurrency)
     node_dir: str = "~/.stepmill/nodes"  # Ray: each node's files, on that node's local disk
     coordinator: str | None = None  # Ray: the fleet's PostgreSQL (default: $STEPMILL_COORDINATOR)
-    runs_dir: str | None = None  # the runs' folders (default: <database>.runs beside the database)
-    keep_runs_days: float = 7  # run folders older than this are removed when a rollout starts; 0: kept
+    runs_dir: str | None = None  # the runs' folders: new, empty or stepmill's (default: <database>.runs)
+    keep_runs_days: float = 7  # stepmill's run folders older than this go when a rollout or Ray node starts; 0: kept
     max_new_tokens: int | None = None  # what one call may add to its prompt (context_fit.py)
 
 
