@@ -37,8 +37,13 @@ def policy32():
 
 
 def claimed(store) -> list:
-    """The groups as a consumer hands them out: one step batch per group."""
-    return [batch for group in REWARDS for batch in step_batches(store, group_id=group, batch_size=1 << 20)]
+    """The groups as a consumer hands them out: one step batch per group, its ``group_id`` beside it."""
+    batches = []
+    for group in REWARDS:
+        for batch in step_batches(store, group_id=group, batch_size=1 << 20):
+            batch.meta["group_id"] = group
+            batches.append(batch)
+    return batches
 
 
 def accumulated(model, batch, rl) -> tuple[dict, dict]:

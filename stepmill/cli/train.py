@@ -35,8 +35,10 @@ from stepmill.train.config import AGGREGATIONS, ATTENTIONS, DTYPES, LAYOUTS, MET
               help="Real tokens per forward/backward, gradients accumulated (0: the whole batch).")
 @click.option("--control/--no-control", default=None, help="Run the paired control (same seeds, no optimizer step).")
 @click.option("--name", default="train", show_default=True, help="The run's name in train_metrics.")
+@click.option("--resume", is_flag=True,
+              help="Continue the run (and its control) from its last checkpoint (<db>.checkpoints/<name>/).")
 @click.option("--no-progress", is_flag=True)
-def train(config_path, db, no_progress, name, **overrides):
+def train(config_path, db, no_progress, name, resume, **overrides):
     """Roll out, consume whole groups, take an optimizer step, serve the new weights (verified), repeat;
     then print reward per policy version for the run and its control."""
     if importlib.util.find_spec("torch") is None:
@@ -49,7 +51,7 @@ def train(config_path, db, no_progress, name, **overrides):
     config = load(config_path)
     settings = load_train(config_path, **overrides)
     stop_on_signals()
-    outcome = train_loop(config, settings, db=db, progress=not no_progress, name=name)
+    outcome = train_loop(config, settings, db=db, progress=not no_progress, name=name, resume=resume)
     click.echo(summary_table(outcome))
 
 

@@ -29,6 +29,7 @@ from stepmill.runner.proxy_handle import ProxyHandle, origin
 from stepmill.runner.rollout import rollout_through
 from stepmill.store import Store
 from stepmill.train.config import TrainConfig
+from stepmill.train.checkpoint import Resume
 from stepmill.train.signals import mean_reward, response_signals
 
 
@@ -74,7 +75,7 @@ class Loop:
     """One run of the closed loop (``update=False``: its paired control)."""
 
     def __init__(self, config: Config, train: TrainConfig, proxy: ProxyHandle, *, run: str, update: bool,
-                 progress: bool = True):
+                 progress: bool = True, resume: bool = False):
         from stepmill.train.policy import Policy
 
         self.config, self.train, self.proxy, self.run, self.update = config, train, proxy, run, update
@@ -83,11 +84,14 @@ class Loop:
         if train.val_dataset and train.val_dataset not in config.datasets:
             raise ConfigError(f"[train] val_dataset: no [[dataset]] named {train.val_dataset!r}")
         self.store = Store(proxy.db)
-        if self.store.train_metrics(run):
+        if self.store.train_metrics(run) and not resume:
             self.store.close()
             raise ConfigError(f"{proxy.db} already holds a training run named {run!r}: give this one another name "
-                              "(--name), or a new file")
+                              "(--name), continue it (--resume), or a new file")
         self.policy = Policy(train)  # the same starting weights and seed for a run and its control
+        self.resume = Resume(proxy.db, run, self.policy, resume=resume)  # the last checkpoint's state, restored
+        if self.resume.version and progress:
+            say(f"[{run}] resumed from version {self.resume.version} (checkpoint in {self.resume.folder})")
         self.engine = engine_sync(train, train.engine or origin(config.route.base_url), config.run.model)
         self.consumer = self._consumer()
         self.version = 0
@@ -143,7 +147,7 @@ class Loop:
     def roll_out(self, number: int, *, version: int | None, dataset: str | None = None,
                  channel: str | None = None) -> float:
         started = time.monotonic()
-        rollout_through(round_config(self.config, self.run, number, channel=channel or self.channel,
+        rollout_through(round_config(self.config, self.resume.rounds, number, channel=channel or self.channel,
                                      version=version, dataset=dataset, seed=self.train.seed), self.proxy, progress=False)
         return time.monotonic() - started
 
@@ -156,20 +160,37 @@ class Loop:
                 return batches
             time.sleep(0.2)
 
-    def learn(self, batches: list) -> dict:
-        """One optimizer step over the groups (none for the control), then the groups acked together; a
-        step that fails gives them back at once. A group with no gated step is acked, not trained on."""
+    def learn(self, batches: list, metrics: dict) -> dict:
+        """One optimizer step over the groups (none for the control), its checkpoint (with ``metrics``),
+        then the groups acked together; a step that fails gives them back at once. A group with no gated
+        step is acked, not trained on."""
         started = time.monotonic()
         trainable = [b for b in batches if b.tensors]
         try:
             stats = self.policy.step(trainable, update=self.update) if trainable else {}
+            stats["empty_groups"] = len(batches) - len(trainable)
+            stats["train_s"] = time.monotonic() - started
+            self.resume.save(self.version + 1, batches, {**metrics, **stats})
         except BaseException:
             self.consumer.release_many(batches)
             raise
-        stats["empty_groups"] = len(batches) - len(trainable)
         self.consumer.ack_many(batches)
-        stats["train_s"] = time.monotonic() - started
         return stats
+
+    def settle(self) -> None:
+        """On resume: the groups of the checkpoint's step, if still leased to this name (the trainer was
+        killed between the checkpoint and the ack), acked without training on them again; its metrics
+        recorded if they were not."""
+        pending = set(self.resume.groups)
+        if pending:
+            held = self.consumer.claim_many(len(pending))
+            done = [b for b in held if b.meta["group_id"] in pending]
+            self.consumer.release_many([b for b in held if b.meta["group_id"] not in pending])
+            if done:
+                self.consumer.ack_many(done)
+        last = self.resume.version - 1
+        if last >= 0 and self.resume.metrics and last not in {row["version"] for row in self.store.train_metrics(self.run)}:
+            self.record(last, self.resume.metrics)
 
     def measure(self, batches: list) -> dict:
         """Reward and the reward-hacking signals of the consumed groups."""
@@ -186,7 +207,7 @@ class Loop:
     def validate(self, number: int) -> float | None:
         """Mean reward of a held-out rollout under the current version (the val channel, never trained on)."""
         self.roll_out(number, version=self.version, dataset=self.train.val_dataset, channel="val")
-        prefix = f"{self.run}-r{number}-{self.train.val_dataset}-"
+        prefix = f"{self.resume.rounds}-r{number}-{self.train.val_dataset}-"
         return self.store.mean_trajectory_reward(prefix)
 
     def record(self, version: int, metrics: dict) -> VersionReport:
@@ -201,9 +222,12 @@ class Loop:
 
     # -- the loops --------------------------------------------------------------------------------
     def run_sync(self) -> list[VersionReport]:
-        synced = self.serve(0)
+        if self.resume.done:
+            return self.history()
+        synced = self.serve(self.resume.version)
+        self.settle()
         groups = self.groups_per_round()
-        for i in range(self.train.iterations):
+        for i in range(self.resume.version, self.train.iterations):
             version = self.version
             rollout_s = self.roll_out(i, version=version)
             batches = self.consume(groups, wait_s=30)
@@ -211,16 +235,25 @@ class Loop:
                 raise ConfigError(f"round {i} gave no ready group on channel {self.channel!r}: did its runs fail? "
                                   "(stepmill runs / the proxy's log)")
             metrics = {**self.measure(batches), "rollout_s": rollout_s, **synced}
-            metrics.update(self.learn(batches))
+            metrics.update(self.learn(batches, metrics))
             if self.train.val_every and version % self.train.val_every == 0:
                 metrics["val_reward"] = self.validate(i)
             self.record(version, metrics)
             synced = self.serve(version + 1)
         self.record(self.version, {**synced, **self._final_round()})
-        return self.reports
+        self.resume.finish(self.version)
+        return self.history() if self.resume.version else self.reports
+
+    def history(self) -> list[VersionReport]:
+        """Every version's report as the store holds it (a resumed run's earlier versions too)."""
+        return [VersionReport(self.run, row["version"], {k: v for k, v in row.items() if k not in ("run", "version")})
+                for row in self.store.train_metrics(self.run)]
 
     def run_async(self) -> list[VersionReport]:
-        synced = self.serve(0)
+        if self.resume.done:
+            return self.history()
+        synced = self.serve(self.resume.version)
+        self.settle()
         stop = threading.Event()
         rounds = {"done": 0, "error": None}
 
@@ -238,7 +271,7 @@ class Loop:
         collector.start()
         groups = self.groups_per_round()
         try:
-            for _ in range(self.train.iterations):
+            for _ in range(self.resume.version, self.train.iterations):
                 version = self.version
                 batches, waited = [], time.monotonic()
                 while not batches:
@@ -250,7 +283,7 @@ class Loop:
                                           f"{4 * self.config.run.timeout:.0f} s while rollouts ran")
                     batches = self.consume(groups, wait_s=5)
                 metrics = {**self.measure(batches), **synced, "rounds_done": rounds["done"]}
-                metrics.update(self.learn(batches))
+                metrics.update(self.learn(batches, metrics))
                 self.record(version, metrics)
                 synced = self.serve(version + 1)
         finally:
@@ -258,7 +291,8 @@ class Loop:
             collector.join()
         if rounds["error"] is not None:
             raise rounds["error"]
-        return self.reports
+        self.resume.finish(self.version)
+        return self.history() if self.resume.version else self.reports
 
     def groups_per_round(self) -> int:
         return len(self.config.tasks(self.config.run.dataset)) * len(self.config.run.agent)
@@ -289,14 +323,15 @@ class Outcome:
 
 
 def train_loop(config: Config, train: TrainConfig, *, db: str | None = None, progress: bool = True,
-               name: str = "train") -> Outcome:
-    """The control (when asked) then the run, from the same starting weights, through one proxy."""
+               name: str = "train", resume: bool = False) -> Outcome:
+    """The control (when asked) then the run, from the same starting weights, through one proxy;
+    ``resume``: each from its last checkpoint (a finished one is read back from the store)."""
     proxy = ProxyHandle(config, db)
     try:
         control = None
         runs = ([(f"{name}-control", False)] if train.control else []) + [(name, True)]
         for run, update in runs:
-            loop = Loop(config, train, proxy, run=run, update=update, progress=progress)
+            loop = Loop(config, train, proxy, run=run, update=update, progress=progress, resume=resume)
             try:
                 reports = loop.run_async() if train.mode == "async" else loop.run_sync()
             finally:
