@@ -157,3 +157,44 @@ def test_every_worker_knows_a_run_by_its_door_key(upstream, tmp_path):
             assert all(said in message for message in messages), messages
     finally:
         stop_proxy(proxy)
+
+
+ANSWERED_FIRST = r'''
+import base64, http.client, json, sys
+port, key, target = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+conn = http.client.HTTPConnection("127.0.0.1", port, timeout=15)
+out = []
+for headers in ({"X-Stepmill-Door": key},  # the door's first request: answered 407 by proxyauth, before the doors
+                {"Proxy-Authorization": "Basic " + base64.b64encode(b"user:pass").decode()}):
+    conn.request("POST", target + "/v1/chat/completions", body=b"{}", headers=headers)
+    response = conn.getresponse()
+    out.append([response.status, response.read().decode("utf-8", "replace")])
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_doors_connection_is_the_runs_even_when_another_addon_answered_its_first_request(upstream, tmp_path):
+    """mitmproxy's proxyauth answers a request without proxy credentials (407) before stepmill's doors
+    look at it. The door key on that first request still binds the connection: the next request on it,
+    with credentials and no key, is the run's and reaches only the run's hosts. (A host process stands
+    in for the runner's side of the door: it holds the key, as only the runner does.)"""
+    import hashlib
+
+    from .conftest import launch_proxy, stop_proxy
+
+    from stepmill.client import StepmillClient
+
+    proxy = launch_proxy(tmp_path, "http://127.0.0.1:9", "--set", "proxyauth=user:pass", upstream=upstream)
+    try:
+        client = StepmillClient(proxy=f"http://user:pass@127.0.0.1:{proxy.port}", confdir=str(proxy.confdir))
+        client.start_trajectory(trajectory_id="answered", group_id="answered")
+        client.register_run("answered", door=hashlib.sha256(b"the door key").hexdigest(), hosts=["127.0.0.1:9"])
+        done = subprocess.run([sys.executable, "-c", ANSWERED_FIRST, str(proxy.port), "the door key",
+                               "http://127.0.0.1:10"], capture_output=True, text=True, timeout=60, check=True)
+        (first, first_body), (second, body) = json.loads(done.stdout)
+        assert first == 407, first_body
+        assert second == 403 and "run 'answered' reaches only its LLM" in body, \
+            f"the connection was not bound to the run by its first request's door key: {second} {body}"
+    finally:
+        stop_proxy(proxy)
