@@ -712,7 +712,7 @@ def _white(stack: Stack) -> tuple[Rollout, str, list[dict]]:
     return rollout, attacker, steps
 
 
-def test_a_white_box_line_no_engine_answer_backs_is_refused_and_no_line_sets_reward_version_model_or_trajectory(attacked):
+def test_a_white_box_line_no_engine_answer_backs_is_refused_and_none_sets_reward_version_or_trajectory(attacked):
     stack = attacked("sandbox")
     rollout, attacker, steps = _white(stack)
     assert "2 runs finished (1 failed, 0 timed out)" in rollout.done.stderr, rollout.done.stderr  # the forger's

@@ -36,7 +36,8 @@ out = {}
 for address in addresses:
     for how, given in (("plain", {}), ("keyed", {"X-Stepmill-Door": door}), ("secret", lent)):
         conn = http.client.HTTPConnection("127.0.0.1", proxy_port, timeout=15, source_address=(address, 0))
-        conn.request("POST", base + "/chat/completions", body=body, headers={"Content-Type": "application/json", **given})
+        conn.request("POST", base + "/chat/completions", body=body,
+                     headers={"Content-Type": "application/json", **given})
         response = conn.getresponse()
         out[f"{address} {how}"] = {"status": response.status,
                                                              "body": response.read().decode("utf-8", "replace")}
@@ -54,7 +55,8 @@ def _lent_secret(trajectory: str) -> str:
     def found():
         for environ in Path("/proc").glob("[0-9]*/environ"):
             try:
-                values = dict(item.split("=", 1) for item in environ.read_text(errors="replace").split("\0") if "=" in item)
+                text = environ.read_text(errors="replace")
+                values = dict(item.split("=", 1) for item in text.split("\0") if "=" in item)
             except OSError:
                 continue
             if values.get("STEPMILL_TRAJECTORY") == trajectory and values.get("HTTP_PROXY"):
@@ -95,7 +97,8 @@ def test_a_host_process_on_a_doors_address_gets_nothing_of_the_run(simulated_llm
             pass
         secret = _lent_secret(trajectory)
         done = subprocess.run([sys.executable, "-c", HOST_PROCESS, str(stack.port), simulated_llm.url, marker, door,
-                               json.dumps(addresses), MODEL, secret], capture_output=True, text=True, timeout=120, check=True)
+                               json.dumps(addresses), MODEL, secret],
+                              capture_output=True, text=True, timeout=120, check=True)
         got = json.loads(done.stdout)
         rollout.join(200)
     finally:

@@ -528,7 +528,9 @@ def submit_steps(stream, client: StepmillClient, submitted: dict, tags: dict,
 
 def _reported_start(started, floor: float, now: float) -> float:
     """When a generation began as a run without an engine door says, held inside what the runner saw."""
-    return min(max(float(started), floor), now) if isinstance(started, (int, float)) and math.isfinite(started) else floor
+    if isinstance(started, (int, float)) and math.isfinite(started):
+        return min(max(float(started), floor), now)
+    return floor
 
 
 def stop_group(process: subprocess.Popen, grace: float = 3.0) -> None:

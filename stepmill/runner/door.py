@@ -85,7 +85,8 @@ class Doors:
                 handler = lambda r, w, way=way: self._gate(r, w, way, answers)  # noqa: E731
             else:
                 handler = lambda r, w, way=way: self._carry(r, w, way, door_key)  # noqa: E731
-            server = asyncio.run_coroutine_threadsafe(asyncio.start_unix_server(handler, path, limit=HEAD_LIMIT), self.loop).result(30)
+            serving = asyncio.start_unix_server(handler, path, limit=HEAD_LIMIT)  # a longer head: closed
+            server = asyncio.run_coroutine_threadsafe(serving, self.loop).result(30)
             os.chmod(path, 0o666)  # the run may be another uid (root in the sandbox needs no mode)
             servers.append(server)
             args += ["--listen", f"{way.port}={path}"]

@@ -6,8 +6,9 @@ saw the request.
 
 Read in the runner's door thread as the answer passes, kept per run, and looked up by the runner's
 step reader with the output ids a step line reports (each answer backs one step): a step no answer
-carried is not the engine's and is refused; one the engine answered gets the version the engine gave those very tokens, or is
-stamped by when the door saw its request. A line's own version and time fields are never read.
+carried is not the engine's and is refused; one the engine answered gets the version the engine
+gave those very tokens, or is stamped by when the door saw its request. A line's own version and
+time fields are never read.
 
 Only what versions need is kept (ids packed 8 bytes each, spans), within ``KEPT_BYTES`` per run:
 past it the oldest answers go first, and a step reported after its answer went is refused like one
