@@ -333,6 +333,7 @@ def on_topic(reply: str) -> float:
     return functions.topic_words(trajectory(reply, topic="animals"))[0]
 
 
+@pytest.mark.slow  # every word of every topic through the tokenizer: about a minute
 def test_every_topic_word_is_one_token_after_a_space():
     """So that a policy can say each one in a single sampled token (what the warm start and RL move)."""
     from transformers import AutoTokenizer
@@ -384,6 +385,7 @@ def test_the_bundled_animal_prompts():
     assert all(set(r) == {"id", "prompt", "topic"} and r["topic"] in functions.topic_word_lists() for r in rows)
 
 
+@pytest.mark.slow  # the warm start itself: about 25 s
 def test_the_warm_start_teaches_the_rewards_words_among_other_words():
     """The base a training run starts from (stepmill.demo.warm_start) is trained on word lists: its topic
     ids are exactly the words topic_words pays for (as a pretrained model knows animals), its other ids
