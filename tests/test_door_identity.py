@@ -139,6 +139,7 @@ print(json.dumps(out))
 '''
 
 
+@pytest.mark.slow  # several proxy workers and runs: about a minute on 2 busy cores
 @pytest.mark.timeout(120)
 def test_every_worker_knows_a_run_by_its_door_key(upstream, tmp_path):
     """With several proxy workers each connection's door key is bound by whichever worker takes it: a run
