@@ -177,20 +177,21 @@ class Loop:
         self.consumer.ack_many(batches)
         return stats
 
-    def settle(self) -> None:
+    def settle(self) -> list:
         """On resume: the groups of the checkpoint's step, if still leased to this name (the trainer was
         killed between the checkpoint and the ack), acked without training on them again; its metrics
-        recorded if they were not."""
-        pending = set(self.resume.groups)
-        if pending:
-            held = self.consumer.claim_many(len(pending))
-            done = [b for b in held if b.meta["group_id"] in pending]
-            self.consumer.release_many([b for b in held if b.meta["group_id"] not in pending])
-            if done:
-                self.consumer.ack_many(done)
+        recorded if they were not. Returns the other groups this name held (the killed trainer's next
+        step's, rolled out under the weights the resume serves again), still leased, to be trained on."""
+        if not self.resume.version:
+            return []
+        held = self.consumer.claim_many(max(len(self.resume.groups), self.groups_per_round()))
+        done = [b for b in held if b.meta["group_id"] in set(self.resume.groups)]
+        if done:
+            self.consumer.ack_many(done)
         last = self.resume.version - 1
-        if last >= 0 and self.resume.metrics and last not in {row["version"] for row in self.store.train_metrics(self.run)}:
+        if self.resume.metrics and last not in {row["version"] for row in self.store.train_metrics(self.run)}:
             self.record(last, self.resume.metrics)
+        return [b for b in held if b.meta["group_id"] not in set(self.resume.groups)]
 
     def measure(self, batches: list) -> dict:
         """Reward and the reward-hacking signals of the consumed groups."""
@@ -225,12 +226,16 @@ class Loop:
         if self.resume.done:
             return self.history()
         synced = self.serve(self.resume.version)
-        self.settle()
+        carried = self.settle()  # the killed round's groups, on the weights served again now
         groups = self.groups_per_round()
         for i in range(self.resume.version, self.train.iterations):
             version = self.version
             rollout_s = self.roll_out(i, version=version)
-            batches = self.consume(groups, wait_s=30)
+            wanted = groups
+            if i == self.resume.version and self.resume.version:  # and the killed round's, finished after the kill
+                wanted = max(2 * groups - len(carried), 1)
+            batches = carried + self.consume(wanted, wait_s=30)
+            carried = []
             if not batches:
                 raise ConfigError(f"round {i} gave no ready group on channel {self.channel!r}: did its runs fail? "
                                   "(stepmill runs / the proxy's log)")
@@ -253,7 +258,7 @@ class Loop:
         if self.resume.done:
             return self.history()
         synced = self.serve(self.resume.version)
-        self.settle()
+        self.consumer.release_many(self.settle())  # async: claimed again as ready, within max_staleness
         stop = threading.Event()
         rounds = {"done": 0, "error": None}
 
