@@ -294,11 +294,6 @@ policy_version = "{marker}"
 [[reward]]
 name = "math-{marker}"
 function = "stepmill.rewards.functions:math_answer"
-
-[isolation]
-# The test upstream stands for api.openai.com (tests/redirect_hosts.py sends the calls there), and a run's
-# door judges where its connections really go.
-allow_hosts = ["127.0.0.1:{proxy.upstream.port}"]
 """)
     return config
 

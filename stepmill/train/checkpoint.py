@@ -16,7 +16,6 @@ import random
 from pathlib import Path
 
 import numpy as np
-import torch
 
 KEEP = 2
 FILE = "v{version:06d}.pt"
@@ -30,6 +29,8 @@ def checkpoint_folder(db: str, run: str) -> Path:
 def save(folder: Path, *, version: int, model, optimizer, groups: list[str], metrics: dict, resumes: int,
          done: bool = False) -> Path:
     """The state after the step that made ``version``'s weights (on ``groups``), atomically."""
+    import torch  # here only: stepmill.train.loop imports this module, and its callers need no torch
+
     folder.mkdir(parents=True, exist_ok=True)
     state = {"version": version, "groups": list(groups), "metrics": dict(metrics), "resumes": resumes, "done": done,
              "model": model.state_dict(), "optimizer": optimizer.state_dict() if optimizer is not None else None,
@@ -46,6 +47,8 @@ def save(folder: Path, *, version: int, model, optimizer, groups: list[str], met
 
 def latest(folder: Path) -> dict | None:
     """The newest checkpoint's state, or None when the run has none (it then starts from the beginning)."""
+    import torch  # here only: stepmill.train.loop imports this module, and its callers need no torch
+
     paths = sorted(folder.glob("v*.pt")) if folder.is_dir() else []
     if not paths:
         return None
@@ -55,6 +58,8 @@ def latest(folder: Path) -> dict | None:
 
 def restore(state: dict, model, optimizer) -> None:
     """Weights, optimizer and random generators as they were when ``state`` was saved."""
+    import torch  # here only: stepmill.train.loop imports this module, and its callers need no torch
+
     model.load_state_dict(state["model"])
     if optimizer is not None and state["optimizer"] is not None:
         optimizer.load_state_dict(state["optimizer"])
