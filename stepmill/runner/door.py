@@ -174,9 +174,14 @@ class Doors:
             writer.close()
             return
         kept = [line for line in headers if line.partition(":")[0].strip().lower() not in ("connection", "keep-alive")]
-        up_writer.write(("\r\n".join([lines[0], *kept, "Connection: close"]) + "\r\n\r\n").encode("latin-1"))
+        head = ("\r\n".join([lines[0], *kept, "Connection: close"]) + "\r\n\r\n").encode("latin-1")
         try:
-            await _carry_body(reader, up_writer, int(length))
+            # A body of one chunk goes with its head in one write: an engine that answers before reading the
+            # body (vLLM's 403 for a route it has not enabled) and closes would otherwise reset the
+            # connection under the body's later bytes, and its answer would be lost to the run.
+            first = await reader.readexactly(min(int(length), CHUNK))
+            up_writer.write(head + first)
+            await _carry_body(reader, up_writer, int(length) - len(first))
         except (asyncio.IncompleteReadError, OSError):
             await _close(up_writer)
             writer.close()
