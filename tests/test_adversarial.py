@@ -33,6 +33,7 @@ from stepmill.runner import isolation as iso
 from stepmill.children import free_port
 from stepmill.auth.write_token import ensure_token
 
+from .sandboxing import need_sandbox
 from .conftest import STEPMILL, TESTS, answers, http_json, wait_until
 
 ADVERSARY = TESTS / "adversary"
@@ -55,7 +56,8 @@ CONTROL_ENDPOINTS = ["stats", "own_trajectory", "victim_trajectory", "human_rewa
 
 def _mode_problem(mode: str) -> str | None:
     if mode == "sandbox":
-        return iso.bwrap_problem()
+        need_sandbox()  # skips where bubblewrap cannot run, fails where only stepmill's sandbox cannot
+        return None
     if os.geteuid() != 0:
         return "isolation = user needs the runner to be root"
     if not os.access(SYSTEM_PYTHON, os.X_OK):
@@ -803,8 +805,8 @@ def handed_over(simulated_llm, tmp_path_factory):
     stacks: dict[str, Stack] = {}
 
     def get(mode: str) -> Stack:
-        if mode == "sandbox" and iso.bwrap_problem():
-            pytest.skip(iso.bwrap_problem())
+        if mode == "sandbox":
+            need_sandbox()
         if mode not in stacks:
             stack = stacks[mode] = start_stack(mode, tmp_path_factory.mktemp(f"handoff-{mode}"), simulated_llm.url)
             try:
@@ -1006,8 +1008,7 @@ HOG_TASKS = [{"id": f"t0{i}", "prompt": f"What is {i} + {i}?", "answer": str(2 *
 def hogged(simulated_llm, tmp_path_factory):
     """A sandboxed rollout whose runs' folders live on a small tmpfs (16 MiB): at once a run that starts
     5,000 processes, one that allocates 1 GiB, one that writes 64 MiB to stdout, and an honest one."""
-    if iso.bwrap_problem():
-        pytest.skip(iso.bwrap_problem())
+    need_sandbox()
     stack = start_stack("sandbox", tmp_path_factory.mktemp("hogged"), simulated_llm.url)
     small = stack.base / "small"
     small.mkdir()
@@ -1089,8 +1090,7 @@ def test_a_run_that_fills_the_disk_fails_alone_and_the_same_command_finishes_onc
     The rollout does not crash: it says which runs were left open, and scores what it can (or says
     that scoring waits); nothing committed is lost. Once the file is gone, the same command runs
     what was left open and scores every run."""
-    if iso.bwrap_problem():
-        pytest.skip(iso.bwrap_problem())
+    need_sandbox()
     stack = start_stack("sandbox", tmp_path, simulated_llm.url, data_mb=48)
     data = stack.base / "data"
     tasks = HOG_TASKS[:2]
@@ -1131,8 +1131,7 @@ def test_a_run_that_fills_the_disk_fails_alone_and_the_same_command_finishes_onc
 def test_a_run_with_a_disk_quota_fills_its_own_folder_alone(simulated_llm, tmp_path):
     """limits.disk_mb: a sandboxed run's folder is a tmpfs of that size; the filler runs out of room at
     8 MiB, the disk is untouched, and both runs finish and score as usual."""
-    if iso.bwrap_problem():
-        pytest.skip(iso.bwrap_problem())
+    need_sandbox()
     stack = start_stack("sandbox", tmp_path, simulated_llm.url)
     try:
         rollout = run_rollout(stack, "quota", agents=black_box("hog", "hog.py", '{ INSIDER_HOG_t02 = "fill" }'),

@@ -24,6 +24,7 @@ from stepmill.children import free_port
 from stepmill.runner import isolation as iso
 from stepmill.store import Store
 
+from .sandboxing import need_sandbox
 from .conftest import wait_until
 from .test_adversarial import TASKS, black_box, run_rollout, start_stack, stop_stack
 
@@ -94,8 +95,7 @@ class Namespace:
 
 def sandbox_stack(simulated_llm, tmp_path_factory, name: str):
     """A proxy, Datasette and database for sandboxed runs (skipped where bubblewrap cannot run)."""
-    if iso.bwrap_problem():
-        pytest.skip(iso.bwrap_problem())
+    need_sandbox()
     return start_stack("sandbox", tmp_path_factory.mktemp(name), simulated_llm.url)
 
 

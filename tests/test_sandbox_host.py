@@ -21,6 +21,7 @@ import pytest
 
 from stepmill.runner import isolation as iso
 
+from .sandboxing import need_sandbox
 from .conftest import STEPMILL, TESTS
 from .rollout_files import write_rollout
 
@@ -54,8 +55,8 @@ def grabbed(request, proxy, tmp_path_factory):
     # Before anything of stepmill runs here (its trial of bubblewrap too).
     before = {"core_pattern": Path("/proc/sys/kernel/core_pattern").read_text(), "hostname": socket.gethostname(),
               "port_start": PORT_START.read_text()}
-    if mode == "sandbox" and iso.bwrap_problem():
-        pytest.skip(iso.bwrap_problem())
+    if mode == "sandbox":
+        need_sandbox()
     if mode == "user" and os.geteuid() != 0:
         pytest.skip("isolation = user needs the runner to be root")
     marker = uuid.uuid4().hex[:10]

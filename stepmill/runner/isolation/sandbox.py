@@ -132,6 +132,24 @@ def _shown(command: list[str], needs: list[Path], expose: list[Exposed], search_
             continue  # there already, read-only
         args += _parents(path, shown, made) + ["--bind" if wanted[path] else "--ro-bind", str(path), str(path)]
         shown.append(path)
+    named = [Path(part) for part in command if part.startswith("/")] + [*needs, *install_folders(command, search_path)]
+    for path in named:
+        args += _links(path, shown, made)
+    return args
+
+
+def _links(path: Path, shown: list[Path], made: set) -> list[str]:
+    """The symlinks on the way to a path the run names (a checkout's ``.venv`` linked into a cache):
+    made as on the host, since the binds are at their targets (resolved)."""
+    args, current = [], Path("/")
+    for part in path.parts[1:]:
+        current = current / part
+        if not current.is_symlink():
+            continue
+        if current not in made and not any(within(current, tree) for tree in shown):
+            args += _parents(current, shown, made) + ["--symlink", os.readlink(current), str(current)]
+            made.add(current)
+        current = current.resolve()  # the rest of the way from its target
     return args
 
 
