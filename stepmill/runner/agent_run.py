@@ -288,7 +288,7 @@ def _command_and_env(site: RunSite, job: Job, secret: str, place: iso.RunPlace, 
     seeded = {"STEPMILL_SEED": str(seed)} if seed is not None else {}
     values = {"task": task["prompt"], "model": run.model, "workdir": str(place.workdir), "trajectory": job.trajectory,
               "group": job.group, "base_url": config.route.base_url or "", "origin": origin(config.route.base_url),
-              "python": sys.executable, "seed": "" if seed is None else str(seed)}
+              "python": sys.executable, "examples": str(EXAMPLES), "seed": "" if seed is None else str(seed)}
     # No agent gets the write token; loopback LLMs go through the proxy too (no NO_PROXY).
     base = {k: v for k, v in iso.agent_environment(os.environ, config.isolation.pass_env).items()
             if k.lower() != "no_proxy" and k != TOKEN_ENV}
@@ -457,7 +457,10 @@ def ways(site: RunSite, agent) -> list[Way]:
     return found
 
 
-PLACEHOLDER = re.compile(r"\{(task|model|workdir|trajectory|group|base_url|origin|python)\}")
+# {examples}: the example agents shipped for agent frameworks (stepmill/agents/frameworks), run on the
+# framework's own interpreter, which the recipe names.
+PLACEHOLDER = re.compile(r"\{(task|model|workdir|trajectory|group|base_url|origin|python|examples)\}")
+EXAMPLES = Path(__file__).resolve().parent.parent / "agents" / "frameworks"
 
 
 def fill(template: str, values: dict) -> str:
