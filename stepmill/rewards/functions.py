@@ -254,3 +254,37 @@ def letters_diverse(trajectory: dict, target: int = 16, min_chars: int = 48, max
     score = shares["coverage"] * shares["distinct"] * shares["purity"] * shares["length"]
     known = sum(weight == 1.0 for weight in weights.values())
     return score, {"words": len(words), "known": known, **{k: round(v, 4) for k, v in shares.items()}}
+
+
+def _reply_words(trajectory: dict) -> list[str]:
+    """The final reply's words as ``topic_words`` reads them: runs of ASCII letters, lower-cased."""
+    return [w.lower() for w in _LETTERS.findall(_final_text(trajectory))]
+
+
+def words_off_topic(trajectory: dict, exclude_key: str = "exclude", target: int = 16) -> tuple[float, dict]:
+    """Distinct English words (``english_words``) that are not of the topic list ``metadata[exclude_key]``
+    names, over max(``target``, all the reply's words): sixteen different such words score 1.0.
+
+    The mirror of ``topic_words``: a word of the excluded topic, an unknown word or a repeat fills a place
+    and counts nothing; padding and punctuation add no word."""
+    excluded = (trajectory.get("metadata") or {}).get(exclude_key)
+    lists = topic_word_lists()
+    if excluded not in lists:
+        raise ValueError(f"the task's {exclude_key!r} is {excluded!r}; topics: {', '.join(sorted(lists))}")
+    words = _reply_words(trajectory)
+    counted = {w for w in words if w in english_words() and w not in lists[excluded]}
+    return len(counted) / max(target, len(words)), {"words": len(words), "counted": len(counted)}
+
+
+def words_exactly(trajectory: dict, count_key: str = "count") -> tuple[float, dict]:
+    """A reply of exactly ``metadata[count_key]`` different English words scores 1.0: min(distinct known
+    words, count) over max(count, all the reply's words). Known words: ``english_words`` and every
+    ``topic_word_lists`` word. Fewer words score their share; each word past the count (known or not,
+    new or repeated) lowers the score, so neither padding nor repetition nor length wins it."""
+    count = (trajectory.get("metadata") or {}).get(count_key)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ValueError(f"the task's {count_key!r} is {count!r}: a whole number of words, 1 or more")
+    words = _reply_words(trajectory)
+    known = english_words().union(*topic_word_lists().values())
+    distinct = {w for w in words if w in known}
+    return min(len(distinct), count) / max(count, len(words)), {"words": len(words), "distinct_known": len(distinct)}
