@@ -3,8 +3,14 @@ mode): none says on every run that agents are not kept from their data; containe
 with its placeholders filled; user mode refuses a dataset other users can read."""
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from .conftest import STEPMILL
 
 from .test_rollout import _config, _rollout
 
@@ -26,6 +32,20 @@ def test_none_says_on_every_run_that_agents_are_not_isolated(proxy, marker, tmp_
     done = _rollout(config)
     assert "6 runs finished (0 failed, 0 timed out)" in done.stderr
     assert done.stderr.count("is NOT isolated (isolation = none)") == 6, done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="where the runner is not root, auto falls back to none")
+def test_auto_refuses_to_run_as_root_where_bubblewrap_cannot_sandbox(proxy, marker, tmp_path):
+    """A root runner whose bubblewrap cannot run (here: none on its PATH) would run each agent as root on the
+    host under none: auto refuses the rollout, with the reason, before any run starts."""
+    config = _config(tmp_path, proxy, marker, agent_command=[sys.executable, "-c", "print('ok')"])
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PATH": str(empty)})
+    assert done.returncode != 0, done.stderr
+    assert "isolation = auto: runs cannot be sandboxed here (bubblewrap is not installed" in done.stderr, done.stderr
+    assert "would be root on the host" in done.stderr and "runs finished" not in done.stderr, done.stderr
 
 
 def test_container_mode_runs_the_prefix_with_its_placeholders(proxy, marker, tmp_path):

@@ -75,7 +75,13 @@ def resolve(isolation: Isolation) -> str:
     """The mode runs will use; IsolationError when the one asked for cannot be had."""
     mode = isolation.mode
     if mode == "auto":
-        return "sandbox" if bwrap_problem() is None else "none"
+        if bwrap_problem() is None:
+            return "sandbox"
+        if os.geteuid() == 0:  # none would make each run root on the host: only where asked for by name
+            raise IsolationError(f"isolation = auto: runs cannot be sandboxed here ({bwrap_problem()}), and the "
+                                 f"runner is root, so a run of mode none would be root on the host; make bubblewrap "
+                                 f"work, or choose [isolation] mode = \"user\" (each run another uid) or \"none\"")
+        return "none"
     if mode == "sandbox" and bwrap_problem() is not None:
         raise IsolationError(f"isolation = sandbox: {bwrap_problem()}")
     if mode == "user" and os.geteuid() != 0:
