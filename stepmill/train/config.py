@@ -29,7 +29,14 @@
     val_dataset = "held-out"      # a [[dataset]] whose groups go to the val channel
     consumer = "local"            # local (the rollout's file) | http://node:port (stepmill serve) | postgresql://… (fleet)
 
-Every key is optional but ``model``; command-line options of ``stepmill train`` win over the file.
+    [train.lora]                  # train a LoRA adapter (peft), the base weights frozen; absent: the full weights
+    rank = 8                      # the adapter's rank r (the engine's --max-lora-rank must be at least this)
+    alpha = 16                    # its scale is alpha / rank
+    target_modules = ["q_proj", "v_proj"]   # the names of the linear layers it adapts (the model's own)
+
+Every key is optional but ``model``; command-line options of ``stepmill train`` win over the file. With
+``[train.lora]`` each version is served as an adapter the engine loads in place (``VLLMSync.sync_lora``),
+under the name ``LoraConfig.served_name`` gives, and the rollouts call that name as their model.
 """
 
 from __future__ import annotations
@@ -49,6 +56,47 @@ DTYPES = ("auto", "bfloat16", "float32")
 ATTENTIONS = ("auto", "sdpa", "eager", "flex")
 # the probe's default tolerance per dtype: the largest engine-vs-trainer logprob gap a sync may show
 TOLERANCES = {"float32": 1e-4, "bfloat16": 0.1}
+LORA_KEYS = ("rank", "alpha", "target_modules")
+
+
+@dataclass
+class LoraConfig:
+    """``[train.lora]``: a LoRA adapter of ``rank`` on ``target_modules``, scaled by ``alpha / rank``."""
+
+    rank: int = 8
+    alpha: float = 16
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+
+    def check(self, where: str) -> "LoraConfig":
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ConfigError(f"{where}: rank must be a positive integer, not {self.rank!r}")
+        if not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool) or not self.alpha > 0:
+            raise ConfigError(f"{where}: alpha must be a positive number, not {self.alpha!r}")
+        modules = self.target_modules
+        if isinstance(modules, str) or not isinstance(modules, (list, tuple)) or not modules or not all(
+                isinstance(m, str) and m.isidentifier() for m in modules):
+            raise ConfigError(f"{where}: target_modules must be a non-empty list of module names "
+                              f"(\"q_proj\", \"v_proj\", …), not {modules!r}")
+        self.target_modules = tuple(modules)
+        return self
+
+    @staticmethod
+    def served_name(model: str, run: str) -> str:
+        """The name the engine serves a run's adapter under: beside the base model's, never equal to it."""
+        return f"{model}-{run}"
+
+
+def lora_config(value, where: str) -> LoraConfig | None:
+    """``[train] lora`` as read from a file (a table) or given in code (a LoraConfig, or None: no LoRA)."""
+    if value is None or isinstance(value, LoraConfig):
+        return value.check(where) if value is not None else None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: must be a table ([train.lora] rank = 8, alpha = 16, target_modules = "
+                          f"[\"q_proj\", \"v_proj\"]), not {value!r}")
+    unknown = sorted(set(value) - set(LORA_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: {', '.join(unknown)}: unknown key; expected some of {', '.join(LORA_KEYS)}")
+    return LoraConfig(**value).check(where)
 
 
 @dataclass
@@ -78,6 +126,7 @@ class TrainConfig:
     attention: str = "auto"
     gradient_checkpointing: bool = False
     micro_batch_tokens: int = 0
+    lora: LoraConfig | None = None
 
     def check(self, where: str = "[train]") -> "TrainConfig":
         choices = {"method": METHODS, "layout": LAYOUTS, "aggregation": AGGREGATIONS, "mode": MODES,
@@ -108,6 +157,7 @@ class TrainConfig:
             raise ConfigError(f"{where}: model is required (the folder of the weights the engine serves at the start)")
         if self.val_every and not self.val_dataset:
             raise ConfigError(f"{where}: val_every needs val_dataset (a [[dataset]] name)")
+        self.lora = lora_config(self.lora, f"{where} lora")
         return self
 
     def torch_device(self) -> str:
