@@ -1,0 +1,97 @@
+"""The agent-framework recipes (stepmill/data/framework-recipes.toml), their text as shipped, through the
+runner (sandboxed) and the real proxy, against the simulated LLM: the example agents of
+stepmill/agents/frameworks on the OpenAI Agents SDK, LangGraph, PydanticAI and smolagents (Python), and
+Vercel's AI SDK and Mastra (TypeScript, on Node). `.ci/install-frameworks` installs the frameworks into
+.agents/frameworks/; the runner finds each one's interpreter on its PATH, as a user's would be on theirs."""
+
+import importlib.resources
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import STEPMILL
+
+FRAMEWORKS = Path(__file__).parent.parent / ".agents" / "frameworks"
+# Where each recipe's interpreter is installed (put first on the runner's PATH), and the program it names.
+INSTALLS = {"openai-agents": ("openai-agents/bin", "python"), "langgraph": ("langgraph/bin", "python"),
+            "pydantic-ai": ("pydantic-ai/bin", "python"), "smolagents": ("smolagents/bin", "python")}
+# smolagents sends its past tool calls and their results back as text, not as tool messages: its calls do
+# not continue one another (each is exact, and a root of its own in the run's trajectory).
+UNLINKED = {"smolagents"}
+
+
+def recipe(name: str) -> str:
+    """One [[agent]] table of the shipped framework recipes, as written there."""
+    text = (importlib.resources.files("stepmill") / "data" / "framework-recipes.toml").read_text()
+    tables = [table for table in re.split(r"^(?=\[\[agent\]\])", text, flags=re.M)
+              if re.search(rf'^name = "{re.escape(name)}"$', table, re.M)]
+    assert len(tables) == 1, f"{name}: {len(tables)} tables"
+    return tables[0]
+
+
+def runner_path(name: str) -> str:
+    """The runner's PATH: the framework's install first; the test skips where it is not installed."""
+    folder, program = INSTALLS[name]
+    path = os.pathsep.join([str(FRAMEWORKS / folder), os.environ.get("PATH", os.defpath)])
+    if not (FRAMEWORKS / folder / program).exists():
+        pytest.skip(f"{name} is not installed (.ci/install-frameworks installs it into {FRAMEWORKS / folder})")
+    assert shutil.which(program, path=path) == str(FRAMEWORKS / folder / program)
+    return path
+
+
+def rollout(name: str, proxy, base_url: str, model: str, marker: str, tmp_path, *, tasks: int, run: str):
+    """The shipped recipe through `stepmill rollout` (n=2 on the first bundled tasks): what the runner
+    printed, the trajectories, and what to read when it fails (the runner's output, the agents' logs)."""
+    bundled = (importlib.resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
+    (tmp_path / "tasks.jsonl").write_text("\n".join(bundled[:tasks]) + "\n")
+    config = tmp_path / "rollout.toml"
+    config.write_text(f'[proxy]\nurl = "{proxy.url}"\ndb = "{proxy.db}"\nconfdir = "{proxy.confdir}"\n\n'
+                      f'[route]\nbase_url = "{base_url}"\n\n{recipe(name)}\n'
+                      f'[[dataset]]\nname = "{name}-{marker}"\npath = "tasks.jsonl"\n\n'
+                      f'[run]\nagent = "{name}"\ndataset = "{name}-{marker}"\nn = 2\nconcurrency = 2\n'
+                      f'model = "{model}"\n{run}\n\n'
+                      '[[reward]]\nname = "math"\nfunction = "stepmill.rewards.functions:math_answer"\n')
+    done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PATH": runner_path(name)})
+    trajectories = proxy.store().query("SELECT id, metadata, reward, status FROM trajectories WHERE id LIKE ?",
+                                       [f"{name}-{marker}-%"])
+    logs = [Path(json.loads(t["metadata"])["workdir"], "agent.log") for t in trajectories]
+    detail = done.stderr + "".join(f"\n--- {log}\n{log.read_text()[-2000:]}" for log in logs if log.exists())
+    return done, trajectories, detail
+
+
+def by_trajectory(steps: list[dict]) -> dict[str, list[dict]]:
+    """Each trajectory's steps in the order they were made."""
+    found: dict[str, list[dict]] = {}
+    for step in steps:
+        found.setdefault(step["trajectory_id"], []).append(step)
+    return {trajectory: sorted(chain, key=lambda s: s["step_index"]) for trajectory, chain in found.items()}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(INSTALLS))
+def test_framework_recipe_through_the_runner(name, proxy, simulated_llm, marker, tmp_path):
+    done, trajectories, detail = rollout(name, proxy, simulated_llm.url, "qwen-sim", marker, tmp_path, tasks=2,
+                                         run="timeout = 180\nmax_new_tokens = 1234")
+    assert "4 runs finished (0 failed, 0 timed out)" in done.stderr, detail
+    assert {json.loads(t["metadata"]).get("isolation") for t in trajectories} == {"sandbox"}, detail
+    assert len(trajectories) == 4 and {t["status"] for t in trajectories} == {"complete"}, detail
+    assert all(t["reward"] in (0.0, 1.0) for t in trajectories), detail
+    steps = proxy.steps("s.trajectory_id LIKE ?", [f"{name}-{marker}-%"], count=4)
+    chains = by_trajectory(steps)
+    assert len(chains) == 4, detail  # every run's calls carry its own tags
+    assert {(s["api"], s["status"], s["token_provenance"]) for s in steps} == {("openai.chat", "ok", "exact")}, detail
+    assert {s["params"].get("max_tokens") or s["params"].get("max_completion_tokens") for s in steps} == {1234}
+    # The simulated LLM calls the calculator on most tasks: a tool call, its result, then the answer.
+    tool_runs = [chain for chain in chains.values() if chain[0]["completion"].get("tool_calls")]
+    assert tool_runs, detail
+    for chain in tool_runs:
+        assert len(chain) >= 2, detail
+        if name not in UNLINKED:
+            assert chain[1]["parent_step_id"] == chain[0]["step_id"], detail
+            assert chain[1]["messages"][-1]["role"] == "tool", chain[1]["messages"]
