@@ -3,7 +3,8 @@
 - ``step_batches``: one row per step in verl's names: ``prompts`` (left-padded), ``responses``
   (right-padded), ``input_ids``, ``attention_mask``, ``position_ids``, ``response_mask``,
   ``rollout_log_probs``, ``token_level_scores`` (the effective reward on the last response token),
-  and per row ``uid`` (group), ``trajectory_id``, ``step_id``, ``step_index``, ``policy_version``.
+  and per row ``uid`` (group), ``trajectory_id``, ``step_id``, ``step_index``, ``policy_version``,
+  ``reward`` (None where the step has none, which ``token_level_scores`` cannot tell from 0.0).
 - ``trajectory_rows``: a trajectory whose steps continue each other token-exactly is one row;
   ``response_mask`` covers only what the model sampled (tool results, user turns and template
   tokens between turns are context). Where a step does not continue its parent, a new row starts.
@@ -113,7 +114,7 @@ def _step_batch(rows: list, report: Counter, pad_id: int) -> Batch:
     log_probs = np.zeros((n, r), dtype=np.float32)
     scores = np.zeros((n, r), dtype=np.float32)
     meta: dict[str, list] = {k: [] for k in ("uid", "trajectory_id", "step_id", "step_index", "parent_step_id",
-                                             "policy_version")}
+                                             "policy_version", "reward")}
     for i, (step, prompt, response, logprobs) in enumerate(rows):
         if len(prompt):
             prompts[i, p - len(prompt):] = prompt
@@ -130,6 +131,7 @@ def _step_batch(rows: list, report: Counter, pad_id: int) -> Batch:
         meta["step_index"].append(step.step_index)
         meta["parent_step_id"].append(step.parent_step_id)
         meta["policy_version"].append(step.policy_version)
+        meta["reward"].append(step.reward)  # None where unscored: token_level_scores holds 0.0 there
     attention_mask = np.concatenate([prompt_mask, response_mask], axis=1)
     position_ids = np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None)
     tensors = {"prompts": prompts, "responses": responses, "input_ids": np.concatenate([prompts, responses], axis=1),

@@ -15,7 +15,9 @@ Every layout comes down to the same ``TokenView``: one entry per trained token (
 the model, the engine's logprob, its trajectory), plus each trajectory's reward and group. The
 reward of a trajectory is its last step's (the last row's), as ``token_level_scores`` carries it.
 A trained token at position 0 of its sequence has no context to be predicted from and is left out
-(counted in ``TokenView.skipped``) in every layout alike.
+(counted in ``TokenView.skipped``) in every layout alike. A step without a reward never gets here:
+``micro_batches.layout_batch`` leaves it out of the step batch every layout is made from (and counts it),
+so no layout reads its ``token_level_scores`` of 0.0 as a reward.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@
 Each micro-batch keeps only the columns its own rows use, so a short row's micro-batch is not padded
 to the longest row of the whole batch. The tree layout packs each micro-batch's rows as a tree of its
 own: prefixes are shared within a micro-batch, not across them.
+
+A step without a reward (``meta["reward"]`` None: neither the step nor its trajectory was scored) is
+left out of the step batch before any layout is made from it, and counted (``LayoutBatch.unrewarded``):
+it is never trained on as a reward of 0.0, in any layout. The rest of its trajectory is trained on,
+its reward that of its last rewarded step.
 """
 
 from __future__ import annotations
@@ -29,16 +34,34 @@ class LayoutBatch:
     padded_layout: str
     layout: str
     chunks: list[Batch]
+    unrewarded: int = 0  # steps left out: no reward
+
+    def __len__(self) -> int:
+        return len(self.padded)
 
 
 def layout_batch(batches: list, layout: str, micro_batch_tokens: int = 0) -> LayoutBatch:
     """The claimed groups (step batches, as every consumer hands them out) in ``layout``, cut into
-    micro-batches (``micro_batch_tokens`` 0: one)."""
-    steps = concat_step_batches(batches)
+    micro-batches (``micro_batch_tokens`` 0: one), without their unrewarded steps (counted)."""
+    steps, unrewarded = rewarded_steps(concat_step_batches(batches))
+    if not len(steps):
+        return LayoutBatch(steps, "steps" if layout == "steps" else "rows", layout, [], unrewarded)
     padded = steps if layout == "steps" else trajectory_batch(*rows_from_step_batch(steps))
     parts = [trimmed(select_rows(padded, rows)) for rows in row_chunks(padded, micro_batch_tokens)]
     chunks = [pack_batch(part) for part in parts] if layout == "tree" else parts
-    return LayoutBatch(padded, "steps" if layout == "steps" else "rows", layout, chunks)
+    return LayoutBatch(padded, "steps" if layout == "steps" else "rows", layout, chunks, unrewarded)
+
+
+def rewarded_steps(steps: Batch) -> tuple[Batch, int]:
+    """The step batch without its steps that have no reward, and how many those were. A batch whose
+    rows carry no ``reward`` field (made before steps carried it) is taken as it is."""
+    rewards = steps.meta.get("reward")
+    if not steps.tensors or rewards is None:
+        return steps, 0
+    kept = [i for i, reward in enumerate(rewards) if reward is not None]
+    if len(kept) == len(rewards):
+        return steps, 0
+    return select_rows(steps, kept), len(rewards) - len(kept)
 
 
 def row_chunks(batch: Batch, budget: int) -> list[list[int]]:
