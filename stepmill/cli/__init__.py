@@ -11,6 +11,7 @@ import click
 from stepmill import __version__
 from stepmill.cli import capture, curate, data, fleet, runs, train
 from stepmill.errors import StepmillError
+from stepmill.experiment.command import experiment
 
 __all__ = ["main"]
 
@@ -40,3 +41,4 @@ def main():
 for _command in (*capture.COMMANDS, *data.COMMANDS, *curate.COMMANDS, *runs.COMMANDS, *fleet.COMMANDS, *train.COMMANDS):
     main.add_command(_command)
 del _command
+main.add_command(experiment)  # its code lives in stepmill/experiment
