@@ -2,10 +2,12 @@
 against the simulated LLM: Claude Code (Anthropic Messages), Codex (Responses over SSE), mini-swe-agent
 and Aider (chat completions via litellm), Qwen Code and OpenCode (streamed chat completions), Gemini CLI
 (Gemini's generateContent, which the proxy serves through the engine's chat completions).
-`.ci/install-agents` puts them in .agents/."""
+`.ci/install-agents` puts them in .agents/; the runner finds them on its PATH. Each recipe runs as shipped,
+its text unmodified, every run sandboxed, and its CLI asks the rollout's output cap on every call."""
 
 import importlib.resources
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -16,15 +18,10 @@ import pytest
 from .conftest import STEPMILL
 
 ROOT = Path(__file__).parent.parent
-BINARIES = {
-    "claude-code": ("claude", ROOT / ".agents" / "node_modules" / ".bin" / "claude"),
-    "codex": ("codex", ROOT / ".agents" / "node_modules" / ".bin" / "codex"),
-    "mini-swe-agent": ("mini", ROOT / ".agents" / "mini" / "bin" / "mini"),
-    "qwen-code": ("qwen", ROOT / ".agents" / "node_modules" / ".bin" / "qwen"),
-    "opencode": ("opencode", ROOT / ".agents" / "node_modules" / ".bin" / "opencode"),
-    "aider": ("aider", ROOT / ".agents" / "aider" / "bin" / "aider"),
-    "gemini-cli": ("gemini", ROOT / ".agents" / "node_modules" / ".bin" / "gemini"),
-}
+# Where .ci/install-agents puts the CLIs: put before the runner's PATH, as a user's install would be on theirs.
+AGENT_BINS = [ROOT / ".agents" / "node_modules" / ".bin", ROOT / ".agents" / "mini" / "bin", ROOT / ".agents" / "aider" / "bin"]
+PROGRAMS = {"claude-code": "claude", "codex": "codex", "mini-swe-agent": "mini", "qwen-code": "qwen",
+            "opencode": "opencode", "aider": "aider", "gemini-cli": "gemini"}
 # What each step records: the protocol the agent spoke. The simulated LLM is an engine (it says so in
 # /v1/models), so Claude Code's Messages calls and Gemini CLI's generateContent calls are served through its
 # chat completions, for exact ids: their steps' engine_api is openai.chat (ENGINE_APIS).
@@ -32,6 +29,19 @@ APIS = {"claude-code": "anthropic.messages", "codex": "openai.responses", "mini-
         "qwen-code": "openai.chat", "opencode": "openai.chat", "aider": "openai.chat",
         "gemini-cli": "gemini.generate"}
 ENGINE_APIS = {"claude-code": "openai.chat", "gemini-cli": "openai.chat"}
+CAP = 1234  # the rollout's [run] max_new_tokens: the output cap each recipe hands its CLI
+UNCAPPED = {"codex"}  # no setting for it: its calls name no cap, the engine's default applies
+
+
+def asked_caps(steps: list[dict]) -> set:
+    """The output caps a recipe's calls asked the engine for: the stored request's max_tokens, translated
+    from Messages' max_tokens and Gemini's maxOutputTokens where the proxy serves those through chat."""
+    return {(step["params"] or {}).get("max_tokens") for step in steps}
+
+
+def caps_wanted(name: str, cap: int) -> set:
+    """What ``asked_caps`` must be under ``[run] max_new_tokens = cap``: none named by a CLI without the setting."""
+    return {None} if name in UNCAPPED else {cap}
 
 
 def recipe(name: str) -> str:
@@ -43,21 +53,18 @@ def recipe(name: str) -> str:
     return "[[agent]]" + found[0]
 
 
-def binary(name: str) -> str | None:
-    command, bundled = BINARIES[name]
-    return str(bundled) if bundled.exists() else shutil.which(command)
+def agents_path() -> str:
+    """The runner's PATH: the installed CLIs' folders first."""
+    return os.pathsep.join([*map(str, AGENT_BINS), os.environ.get("PATH", os.defpath)])
 
 
 def run_recipe(name: str, proxy, base_url: str, model: str, marker: str, tmp_path, *, tasks: int, timeout: int,
-               agent_edit=lambda text: text):
-    """A shipped recipe through `stepmill rollout` (n=2 on the first bundled tasks) against ``base_url``:
-    what the runner printed, the trajectories, and everything to read when it fails (the agents' logs)."""
-    path = binary(name)
-    if path is None:
-        pytest.skip(f"{BINARIES[name][0]} is not installed (.ci/install-agents installs it)")
-    command = BINARIES[name][0]
-    agent = agent_edit(recipe(name).replace(f'command = ["{command}"', f'command = ["{path}"', 1)
-                       .replace(f', "{command}", ', f', "{path}", ', 1))  # a CLI a shell line starts
+               run_settings: str = ""):
+    """A shipped recipe, its text as shipped, through `stepmill rollout` (n=2 on the first bundled tasks)
+    against ``base_url``, the CLIs on the runner's PATH; ``run_settings``: more of the rollout's ``[run]``
+    table. What the runner printed, the trajectories, and everything to read when it fails (the agents' logs)."""
+    if shutil.which(PROGRAMS[name], path=agents_path()) is None:
+        pytest.skip(f"{PROGRAMS[name]} is not installed (.ci/install-agents installs it)")
     bundled = (importlib.resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
     (tmp_path / "tasks.jsonl").write_text("\n".join(bundled[:tasks]) + "\n")
     config = tmp_path / "rollout.toml"
@@ -69,7 +76,7 @@ confdir = "{proxy.confdir}"
 [route]
 base_url = "{base_url}"
 
-{agent}
+{recipe(name)}
 
 [[dataset]]
 name = "{name}-{marker}"
@@ -82,13 +89,14 @@ n = 2
 concurrency = 2
 timeout = {timeout}
 model = "{model}"
+{run_settings}
 
 [[reward]]
 name = "math"
 function = "stepmill.rewards.functions:math_answer"
 """)
     done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env={**os.environ, "PATH": agents_path()})
     trajectories = proxy.store().query("SELECT id, metadata, reward, status FROM trajectories WHERE id LIKE ?",
                                        [f"{name}-{marker}-%"])
     logs = [Path(json.loads(t["metadata"])["workdir"], "agent.log") for t in trajectories]
@@ -97,10 +105,10 @@ function = "stepmill.rewards.functions:math_answer"
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", list(BINARIES))
+@pytest.mark.parametrize("name", list(PROGRAMS))
 def test_recipe_through_the_runner(name, proxy, simulated_llm, marker, tmp_path):
     done, trajectories, detail = run_recipe(name, proxy, simulated_llm.url, "qwen-sim", marker, tmp_path,
-                                            tasks=2, timeout=180)
+                                            tasks=2, timeout=180, run_settings=f"max_new_tokens = {CAP}")
     assert "4 runs finished (0 failed, 0 timed out)" in done.stderr, detail
     assert {json.loads(t["metadata"]).get("isolation") for t in trajectories} == {"sandbox"}, detail
     assert len(trajectories) == 4 and {t["status"] for t in trajectories} == {"complete"}
@@ -118,3 +126,4 @@ def test_recipe_through_the_runner(name, proxy, simulated_llm, marker, tmp_path)
     assert {(s["api"], s["engine_api"]) for s in steps} == {(APIS[name], ENGINE_APIS.get(name))}
     assert {s["status"] for s in steps} == {"ok"}
     assert {s["token_provenance"] for s in steps} == {"exact"}, detail  # every agent, every step
+    assert asked_caps(steps) == caps_wanted(name, CAP), detail  # the rollout's cap reached every call as the CLI sent it

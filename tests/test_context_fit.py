@@ -2,14 +2,20 @@
 the engine (the simulated LLM, which names its context in /v1/models as vLLM does) says max_model_len, the
 recipe its opening prompt's size, [run] max_new_tokens what a call may add."""
 
+import json
 import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from .conftest import STEPMILL
 
 MAX_MODEL_LEN = 32768  # what the simulated LLM says, as the tiny Qwen2 on vLLM does
 
 
-def _config(tmp_path, base_url: str, prompt_tokens: int, max_new_tokens: int):
+def _config(tmp_path, base_url: str, prompt_tokens: int, max_new_tokens: int | None):
     (tmp_path / "tasks.jsonl").write_text('{"id": "t1", "prompt": "What is 2 + 2?", "answer": "4"}\n')
     config = tmp_path / "rollout.toml"
     config.write_text(f"""
@@ -34,7 +40,7 @@ agent = "big-prompt"
 dataset = "fit"
 n = 1
 model = "qwen-sim"
-max_new_tokens = {max_new_tokens}
+{f"max_new_tokens = {max_new_tokens}" if max_new_tokens else ""}
 """)
     return config
 
@@ -58,3 +64,81 @@ def test_an_agent_that_fits_or_an_engine_that_names_no_context_is_let_through(si
     check_context_fit(load(_config(tmp_path, simulated_llm.url, MAX_MODEL_LEN - 2000, 2000)))  # exactly fits
     # an engine that cannot be asked (nothing listens there) is not judged: the runs say what happens
     check_context_fit(load(_config(tmp_path, "http://127.0.0.1:9/v1", 10 * MAX_MODEL_LEN, 2000)))
+
+
+def test_without_max_new_tokens_an_opening_prompt_that_leaves_no_room_is_refused(simulated_llm, tmp_path):
+    from stepmill.errors import ConfigError
+    from stepmill.runner.config import load
+    from stepmill.runner.context_fit import check_context_fit
+
+    check_context_fit(load(_config(tmp_path, simulated_llm.url, MAX_MODEL_LEN - 1, None)))  # one token's room
+    with pytest.raises(ConfigError, match=f"a call may add 1 .the least a call adds; .run. max_new_tokens is unset."
+                                          f", {MAX_MODEL_LEN + 1} in all"):
+        check_context_fit(load(_config(tmp_path, simulated_llm.url, MAX_MODEL_LEN, None)))
+
+
+@given(set_by_run=st.none() | st.integers(1, 10**6), prompt=st.none() | st.integers(1, 10**6),
+       context=st.none() | st.integers(1, 10**6))
+def test_what_a_call_may_add_fits_the_context_wherever_the_opening_prompt_does(set_by_run, prompt, context):
+    from stepmill.runner.context_fit import DEFAULT_NEW_TOKENS, new_tokens
+
+    adds = new_tokens(set_by_run, prompt, context)
+    assert adds >= 1
+    if set_by_run:
+        assert adds == set_by_run  # the user's own cap, as given (check_context_fit judges it)
+    elif context is None:
+        assert adds == DEFAULT_NEW_TOKENS
+    else:
+        assert adds <= DEFAULT_NEW_TOKENS  # never the whole rest of the context: the next call must fit too
+        room = context - prompt if prompt else context // 2  # no prompt_tokens stated: half the context
+        assert adds == max(1, min(DEFAULT_NEW_TOKENS, room))
+        if prompt and prompt < context:
+            assert prompt + adds <= context  # what fits is never refused by check_context_fit
+
+
+def _capped_run(tmp_path, proxy, base_url: str, marker: str) -> list[str]:
+    """A rollout of an agent that prints its {max_new_tokens}, from its command and its environment; what
+    each run printed."""
+    (tmp_path / "tasks.jsonl").write_text('{"id": "t1", "prompt": "What is 2 + 2?", "answer": "4"}\n')
+    config = tmp_path / "rollout.toml"
+    config.write_text(f"""
+[proxy]
+url = "{proxy.url}"
+db = "{proxy.db}"
+confdir = "{proxy.confdir}"
+
+[route]
+base_url = "{base_url}"
+
+[[agent]]
+name = "capped"
+command = ["sh", "-c", "echo cap=$0 env=$CAP", "{{max_new_tokens}}"]
+env = {{ CAP = "{{max_new_tokens}}" }}
+prompt_tokens = 30000
+
+[[dataset]]
+name = "cap-{marker}"
+path = "tasks.jsonl"
+
+[run]
+agent = "capped"
+dataset = "cap-{marker}"
+n = 2
+model = "qwen-sim"
+""")
+    done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
+                          timeout=120)
+    assert "2 runs finished (0 failed, 0 timed out)" in done.stderr, done.stderr
+    trajectories = proxy.store().query("SELECT metadata FROM trajectories WHERE id LIKE ?", [f"cap-{marker}-%"])
+    return [Path(json.loads(t["metadata"])["workdir"], "agent.log").read_text().strip() for t in trajectories]
+
+
+def test_a_run_gets_what_the_engine_context_leaves_as_its_output_cap(simulated_llm, proxy, marker, tmp_path):
+    from stepmill.runner.context_fit import DEFAULT_NEW_TOKENS
+
+    left = MAX_MODEL_LEN - 30000  # the simulated engine's context less the agent's prompt_tokens
+    assert left < DEFAULT_NEW_TOKENS
+    assert _capped_run(tmp_path, proxy, simulated_llm.url, marker) == [f"cap={left} env={left}"] * 2
+    # an engine that names no context (nothing listens there): the default
+    said = _capped_run(tmp_path, proxy, "http://127.0.0.1:9/v1", marker + "-none")
+    assert said == [f"cap={DEFAULT_NEW_TOKENS} env={DEFAULT_NEW_TOKENS}"] * 2

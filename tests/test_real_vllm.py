@@ -457,28 +457,24 @@ def test_demo_on_the_real_vllm(vllm, tmp_path):
 
 # --- agent CLI recipes (tests/test_agent_recipes.py) against the real vLLM ----------------------------------
 
-# Random weights rarely sample the end: the CLIs that ask for many tokens a call get their calls kept short
-# (Claude Code asks for 32k; Qwen Code, cut at its 8k default, asks again for 64k, past the context).
-SHORT_CALLS = {
-    "claude-code": ('DISABLE_AUTOUPDATER = "1"', 'DISABLE_AUTOUPDATER = "1", CLAUDE_CODE_MAX_OUTPUT_TOKENS = "64"'),
-    "qwen-code": ('OPENAI_API_KEY = "sk-local"', 'OPENAI_API_KEY = "sk-local", QWEN_CODE_MAX_OUTPUT_TOKENS = "64"'),
-    "opencode": ('OPENCODE_DISABLE_MODELS_FETCH = "1"',
-                 'OPENCODE_DISABLE_MODELS_FETCH = "1", OPENCODE_EXPERIMENTAL_OUTPUT_TOKEN_MAX = "64"'),
-}
+# Random weights rarely sample the end: the rollout caps each call at 64 new tokens, the user's setting
+# ([run] max_new_tokens), which every recipe hands its CLI as {max_new_tokens}; the recipes run as shipped.
+SHORT_CALLS = 64
 
 
 @pytest.mark.parametrize("name", ["mini-swe-agent", "codex", "claude-code", "qwen-code", "opencode", "aider", "gemini-cli"])
 def test_recipe_against_the_real_vllm(name, engine_proxy, vllm, marker, tmp_path):
-    from .test_agent_recipes import APIS, ENGINE_APIS, run_recipe
+    from .test_agent_recipes import APIS, ENGINE_APIS, asked_caps, caps_wanted, run_recipe
 
     done, trajectories, detail = run_recipe(
         name, engine_proxy, vllm.url, vllm.model, marker, tmp_path, tasks=1, timeout=150,
-        agent_edit=lambda text: text.replace(*SHORT_CALLS[name]) if name in SHORT_CALLS else text)
+        run_settings=f"max_new_tokens = {SHORT_CALLS}")
     assert {json.loads(t["metadata"]).get("isolation") for t in trajectories} == {"sandbox"}, detail
     steps = engine_proxy.steps("s.trajectory_id LIKE ?", [f"{name}-{marker}-%"], count=2)
     print(name, done.stderr[-300:], [(s["api"], s["status"], s["token_provenance"]) for s in steps])
     assert {(s["api"], s["engine_api"]) for s in steps} == {(APIS[name], ENGINE_APIS.get(name))}, detail
     assert {s["token_provenance"] for s in steps} == {"exact"}, detail
+    assert asked_caps(steps) == caps_wanted(name, SHORT_CALLS), detail
     if name == "claude-code":
         # Random weights rarely sample the end, and Claude Code treats a max_tokens stop as an error of its
         # own: it read the translated Messages stream down to its stop reason, as it would from Anthropic.

@@ -24,6 +24,7 @@ from stepmill.auth.write_token import ENV as TOKEN_ENV
 from stepmill.client import ControlError, StepmillClient
 from stepmill.runner import isolation as iso
 from stepmill.runner.config import Config
+from stepmill.runner.context_fit import engine_context, new_tokens
 from stepmill.auth.secret_hashes import secret_hash
 from stepmill.runner.door import Doors, Way, new_key, way_to
 from stepmill.runner.door_answers import EngineAnswers
@@ -76,6 +77,8 @@ class RunSite:
     running: int = 0
     doors_lock: threading.Lock = field(default_factory=threading.Lock)
     made_doors: Doors | None = None
+    context_lock: threading.Lock = field(default_factory=threading.Lock)
+    read_context: list = field(default_factory=list)  # the engine's context, once read: [length or None]
 
     @functools.cached_property
     def private(self) -> iso.Private:
@@ -99,6 +102,17 @@ class RunSite:
             if self.made_doors is None:
                 self.made_doors = Doors()
             return self.made_doors
+
+    def new_tokens(self, agent) -> int:
+        """A run's ``{max_new_tokens}`` (``context_fit.new_tokens``): the engine's context is asked once a
+        rollout, by the first run that needs it (none where ``[run] max_new_tokens`` is set)."""
+        run, base_url = self.config.run, self.config.route.base_url
+        if not run.max_new_tokens:
+            with self.context_lock:
+                if not self.read_context:
+                    self.read_context.append(engine_context(base_url, run.model) if base_url else None)
+        context = self.read_context[0] if self.read_context else None
+        return new_tokens(run.max_new_tokens, agent.prompt_tokens, context)
 
     def stop_all(self) -> None:
         """Runs not started yet never start; running ones are stopped, their trajectories stay open."""
@@ -288,7 +302,8 @@ def _command_and_env(site: RunSite, job: Job, secret: str, place: iso.RunPlace, 
     seeded = {"STEPMILL_SEED": str(seed)} if seed is not None else {}
     values = {"task": task["prompt"], "model": run.model, "workdir": str(place.workdir), "trajectory": job.trajectory,
               "group": job.group, "base_url": config.route.base_url or "", "origin": origin(config.route.base_url),
-              "python": sys.executable, "examples": str(EXAMPLES), "seed": "" if seed is None else str(seed)}
+              "python": sys.executable, "examples": str(EXAMPLES), "seed": "" if seed is None else str(seed),
+              "max_new_tokens": str(site.new_tokens(agent))}
     # No agent gets the write token; loopback LLMs go through the proxy too (no NO_PROXY).
     base = {k: v for k, v in iso.agent_environment(os.environ, config.isolation.pass_env).items()
             if k.lower() != "no_proxy" and k != TOKEN_ENV}
@@ -458,8 +473,9 @@ def ways(site: RunSite, agent) -> list[Way]:
 
 
 # {examples}: the example agents shipped for agent frameworks (stepmill/agents/frameworks), run on the
-# framework's own interpreter, which the recipe names.
-PLACEHOLDER = re.compile(r"\{(task|model|workdir|trajectory|group|base_url|origin|python|examples)\}")
+# framework's own interpreter, which the recipe names. {max_new_tokens}: what one call may add, the output cap
+# a recipe gives its CLI (RunSite.new_tokens).
+PLACEHOLDER = re.compile(r"\{(task|model|workdir|trajectory|group|base_url|origin|python|examples|max_new_tokens)\}")
 EXAMPLES = Path(__file__).resolve().parent.parent / "agents" / "frameworks"
 
 

@@ -92,10 +92,13 @@ def code_paths() -> list[Path]:
 def install_folders(command: list[str], search_path: str | None) -> list[Path]:
     """Where the agent's program lives: its install folder (a virtual environment, the folder above
     node_modules) and those of the interpreters it runs on (a script's #! line, a venv's home), every
-    symlink on the way followed."""
+    symlink on the way followed. Its programs are the command's absolute parts and its bare words that
+    name a program on the run's PATH (command[0], or the one a shell line starts: ``sh -c '… exec "$0"'
+    gemini``). A word that only happens to name one shows that program's folder: what is on the run's PATH
+    (the runner's own) is the run's to start anyway, and ``Private`` stays hidden over whatever is shown."""
     found: list[Path] = []
-    first = command[0] if "/" in command[0] else shutil.which(command[0], path=search_path)
-    todo = [part for part in [first, *command[1:]] if part and part.startswith("/") and os.path.exists(part)]
+    on_path = [shutil.which(part, path=search_path) if _bare_word(part) else None for part in command]
+    todo = [part for part in [*command, *on_path] if part and part.startswith("/") and os.path.exists(part)]
     seen: set[str] = set()
     while todo:
         path = todo.pop()
@@ -109,6 +112,11 @@ def install_folders(command: list[str], search_path: str | None) -> list[Path]:
         if interpreter:
             todo.append(interpreter if "/" in interpreter else shutil.which(interpreter, path=search_path) or "")
     return found
+
+
+def _bare_word(part: str) -> bool:
+    """A program's name as a command gives it: one word, no path (a task's text is never looked up)."""
+    return 0 < len(part) <= 255 and "/" not in part and not any(c.isspace() for c in part)
 
 
 def module_folders(command: list[str], entry: str | None, pythonpath: str | None) -> list[Path]:
