@@ -1,4 +1,5 @@
-"""A training run's checkpoint per policy version, next to its store: the weights, the optimizer, the
+"""A training run's checkpoint per policy version, next to its store: the weights (with ``[train.lora]``, the
+adapter's alone: the base stays frozen and is read from ``[train] model`` again), the optimizer, the
 random generators, the version the weights are served as, the groups the step that made them was
 taken on, and the metrics of that step; ``stepmill train --resume`` continues from the latest.
 
@@ -32,8 +33,12 @@ def save(folder: Path, *, version: int, model, optimizer, groups: list[str], met
     import torch  # here only: stepmill.train.loop imports this module, and its callers need no torch
 
     folder.mkdir(parents=True, exist_ok=True)
+    from stepmill.train.engine_sync import is_peft
+    from stepmill.train.policy import trained_state
+
     state = {"version": version, "groups": list(groups), "metrics": dict(metrics), "resumes": resumes, "done": done,
-             "model": model.state_dict(), "optimizer": optimizer.state_dict() if optimizer is not None else None,
+             "model": trained_state(model, copy=False), "lora": is_peft(model),
+             "optimizer": optimizer.state_dict() if optimizer is not None else None,
              "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                      "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
     path = folder / FILE.format(version=version)
@@ -60,7 +65,15 @@ def restore(state: dict, model, optimizer) -> None:
     """Weights, optimizer and random generators as they were when ``state`` was saved."""
     import torch  # here only: stepmill.train.loop imports this module, and its callers need no torch
 
-    model.load_state_dict(state["model"])
+    from stepmill.errors import ConfigError
+    from stepmill.train.engine_sync import is_peft
+    from stepmill.train.policy import load_trained_state
+
+    if state.get("lora", False) != is_peft(model):
+        saved, now = ("a LoRA adapter", "the full weights") if state.get("lora") else ("the full weights", "a LoRA adapter")
+        raise ConfigError(f"the checkpoint holds {saved}, and [train] now trains {now}: resume with the [train] "
+                          "table the run started with, or start a new run")
+    load_trained_state(model, state["model"])
     if optimizer is not None and state["optimizer"] is not None:
         optimizer.load_state_dict(state["optimizer"])
     rng = state["rng"]

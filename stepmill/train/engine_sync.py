@@ -73,6 +73,11 @@ def _nothing() -> Iterator[None]:
     yield
 
 
+def is_peft(model: Any) -> bool:
+    """A peft model (``peft_config``): its forward applies its adapter."""
+    return isinstance(getattr(model, "peft_config", None), dict)
+
+
 def gap(trainer: Sequence[float], engine: Sequence[float]) -> float:
     """The largest absolute difference between two logprob lists (inf when their lengths differ)."""
     if len(trainer) != len(engine):
@@ -147,6 +152,20 @@ class LoraAdapter:
     @property
     def target_modules(self) -> list[str]:
         return sorted({name.rsplit(".", 1)[-1] for name in self.weights})
+
+    @classmethod
+    def from_peft(cls, model: Any, adapter: str = "default") -> "LoraAdapter":
+        """The adapter a peft model trains (``peft.get_peft_model``), as the base model's module paths
+        and the (A, B) pair of each, detached: what ``save_lora`` writes and vLLM loads."""
+        from peft.tuners.lora import LoraLayer
+
+        config = model.peft_config[adapter]
+        if getattr(config, "use_rslora", False) or getattr(config, "use_dora", False):
+            raise ConfigError("a LoRA adapter with rsLoRA or DoRA has no W + (alpha / r)·B·A form to serve")
+        weights = {name: (module.lora_A[adapter].weight.detach(), module.lora_B[adapter].weight.detach())
+                   for name, module in model.get_base_model().named_modules()
+                   if isinstance(module, LoraLayer) and adapter in module.lora_A}
+        return cls(r=config.r, alpha=config.lora_alpha, weights=weights)
 
 
 def save_lora(adapter: LoraAdapter, folder: Path, *, base_model: str = "") -> Path:
@@ -355,13 +374,7 @@ class VLLMSync:
             with phase("probe_engine"):
                 report.gap = gap(expected, engine_probe(engine, self.probe))
             self._check(report)
-            if while_paused is not None:
-                with phase("stamp"):
-                    try:
-                        while_paused(paused_at)
-                    except Exception as exc:  # the proxy's version not set: serve nothing it would mis-stamp
-                        raise SyncError(f"setting the policy version for {version!r} failed: {exc}",
-                                        version=version) from exc
+            self._stamp(phase, version, paused_at, while_paused)
             self._finish(engine, phase, version)
         with phase("prune"):
             prune(self.root, folder)
@@ -369,20 +382,24 @@ class VLLMSync:
 
     # -- a LoRA adapter
 
-    def sync_lora(self, model: Any, adapter: LoraAdapter, version: str, *, name: str = "policy") -> SyncReport:
+    def sync_lora(self, model: Any, adapter: LoraAdapter, version: str, *, name: str = "policy",
+                  while_paused: Callable[[float], None] | None = None) -> SyncReport:
         """Write ``adapter`` as ``version`` and load it in place under ``name`` (the server was started
         with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1); calls that name ``name`` as their model
         get it. While generation is paused the engine probes the adapter's folder under a private id no
-        request can name, against ``model`` with the adapter merged; only when it passes is the folder
-        loaded under ``name`` and generation resumed. A failed probe leaves generation paused and ``name``
-        on its last verified version (SyncError)."""
+        request can name, against the trainer's logprobs under the adapter: ``model`` is the base model
+        (the adapter is merged into it for the trainer's side) or the peft model that trains ``adapter``
+        (its own forward applies it, so the conversion to ``adapter`` is checked too). Only when it passes
+        is the folder loaded under ``name``, ``while_paused`` called (as ``sync`` calls it) and generation
+        resumed. A failed probe leaves generation paused and ``name`` on its last verified version (SyncError)."""
         folder = version_folder(self._folders(model), version, kind="lora")
         report = SyncReport(version, "lora", str(folder))
         phase, engine = _Phases(report), _Engine(self.url, self.timeout, version)
         with phase("save"):
             save_lora(adapter, folder, base_model=self.served_model)
         with phase("probe_trainer"):
-            expected = trainer_logprobs(model, self.probe, lora=adapter)
+            expected = trainer_logprobs(model, self.probe, lora=None if is_peft(model) else adapter)
+        paused_at = time.time()
         with phase("pause"):
             engine.call("POST", f"/pause?mode={self.pause_mode}", what="pausing generation")
         with _left_paused(version):
@@ -390,16 +407,28 @@ class VLLMSync:
                 report.gap = gap(expected, engine_probe(engine, self.probe, lora_path=folder))
             self._check(report)
             with phase("reload"):  # the folder just verified, read again under the served name
+                # in place whether or not the name is loaded: a resumed trainer's name may be, from before
                 engine.call("POST", "/v1/load_lora_adapter",
-                            {"lora_name": name, "lora_path": str(folder), "load_inplace": self.lora_name == name},
+                            {"lora_name": name, "lora_path": str(folder), "load_inplace": True},
                             what="loading the LoRA adapter")
                 self.lora_name = name
+            self._stamp(phase, version, paused_at, while_paused)
             self._finish(engine, phase, version)
         with phase("prune"):
             prune(self.root, folder)
         return report
 
     # -- shared steps
+
+    @staticmethod
+    def _stamp(phase: _Phases, version: str, paused_at: float, while_paused: Callable[[float], None] | None) -> None:
+        if while_paused is None:
+            return
+        with phase("stamp"):
+            try:
+                while_paused(paused_at)
+            except Exception as exc:  # the proxy's version not set: serve nothing it would mis-stamp
+                raise SyncError(f"setting the policy version for {version!r} failed: {exc}", version=version) from exc
 
     def _finish(self, engine: _Engine, phase: _Phases, version: str) -> None:
         with phase("reset_cache"):
@@ -576,5 +605,5 @@ def sglang_logprobs(url: str, tokens: Sequence[int], *, timeout: float = 120) ->
 
 
 __all__ = ["ADMIN_ROUTES", "is_admin_route", "probe_tokens", "trainer_logprobs", "gap", "weights_root",
-           "model_bytes", "version_folder", "save_weights", "prune", "LoraAdapter", "save_lora", "applied_lora",
+           "model_bytes", "version_folder", "save_weights", "prune", "LoraAdapter", "save_lora", "applied_lora", "is_peft",
            "SyncReport", "PAUSED_PHASES", "VLLMSync", "engine_probe", "vllm_logprobs", "SGLangSync", "sglang_logprobs"]

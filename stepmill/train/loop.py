@@ -28,7 +28,7 @@ from stepmill.runner.config import Config
 from stepmill.runner.proxy_handle import ProxyHandle, origin
 from stepmill.runner.rollout import rollout_through
 from stepmill.store import Store
-from stepmill.train.config import TrainConfig
+from stepmill.train.config import LoraConfig, TrainConfig
 from stepmill.train.checkpoint import Resume
 from stepmill.train.signals import mean_reward, response_signals
 
@@ -47,9 +47,10 @@ def say(text: str) -> None:
 
 
 def round_config(config: Config, run: str, number: int, *, channel: str, version: int | None,
-                 dataset: str | None = None, seed: int | None = None) -> Config:
+                 dataset: str | None = None, seed: int | None = None, model: str | None = None) -> Config:
     """The rollout of one round: the dataset's tasks under ids of their own (``<run>-r<k>-<dataset>-…``),
-    on ``channel``, stamped with ``version`` (None: whatever version is in force when each call starts)."""
+    on ``channel``, stamped with ``version`` (None: whatever version is in force when each call starts),
+    the agents calling ``model`` (a LoRA run's adapter; None: the rollout's own model)."""
     round_ = copy.copy(config)
     round_.run = copy.copy(config.run)
     source = dataset or config.run.dataset
@@ -59,13 +60,15 @@ def round_config(config: Config, run: str, number: int, *, channel: str, version
     round_.library_paths = {**config.library_paths, name: config.library_paths.get(source, [])}  # hidden from runs
     round_.run.dataset, round_.run.channel = name, channel
     round_.run.policy_version = None if version is None else str(version)
+    round_.run.model = model or config.run.model
     # the same round of a run and of its paired control draws with the same seeds
     round_.run.seed = None if seed is None else seed * 1_000_003 + number
     return round_
 
 
 def engine_sync(train: TrainConfig, url: str, served_model: str):
-    """How the engine gets each new policy: vLLM's in-place reload of the full weights, verified by the probe."""
+    """How the engine gets each new policy: vLLM's in-place reload of the full weights, or its in-place load
+    of a LoRA adapter (``[train.lora]``, ``VLLMSync.sync_lora``), verified by the probe."""
     from stepmill.train.engine_sync import VLLMSync
 
     return VLLMSync(url, served_model, tolerance=train.probe_tolerance())
@@ -93,6 +96,8 @@ class Loop:
         if self.resume.version and progress:
             say(f"[{run}] resumed from version {self.resume.version} (checkpoint in {self.resume.folder})")
         self.engine = engine_sync(train, train.engine or origin(config.route.base_url), config.run.model)
+        # a LoRA run's versions are an adapter the engine serves under a name of the run's own
+        self.model = LoraConfig.served_name(config.run.model, run) if train.lora else None
         self.consumer = self._consumer()
         self.version = 0
         self.reports: list[VersionReport] = []
@@ -125,9 +130,15 @@ class Loop:
         weights nobody sampled from; the calls it held are aborted so the rollouts end now (SyncError)."""
         # set while the engine holds new calls, after the probe passed, from the moment it stopped taking
         # them: a call is stamped with the version whose weights serve it, in async mode too
+        def stamp(paused_at: float) -> None:
+            self.proxy.client.set_policy_version(version, since=paused_at)
+
         try:
-            report = self.engine.sync(self.policy.model, str(version), while_paused=lambda paused_at:
-                                      self.proxy.client.set_policy_version(version, since=paused_at))
+            if self.model:
+                report = self.engine.sync_lora(self.policy.model, self.policy.adapter(), str(version), name=self.model,
+                                               while_paused=stamp)
+            else:
+                report = self.engine.sync(self.policy.model, str(version), while_paused=stamp)
         except SyncError:
             self._end_held_calls()
             raise
@@ -148,7 +159,8 @@ class Loop:
                  channel: str | None = None) -> float:
         started = time.monotonic()
         rollout_through(round_config(self.config, self.resume.rounds, number, channel=channel or self.channel,
-                                     version=version, dataset=dataset, seed=self.train.seed), self.proxy, progress=False)
+                                     version=version, dataset=dataset, seed=self.train.seed, model=self.model),
+                        self.proxy, progress=False)
         return time.monotonic() - started
 
     def consume(self, wanted: int, *, wait_s: float = 0.0) -> list:
@@ -194,9 +206,12 @@ class Loop:
         return [b for b in held if b.meta["group_id"] not in set(self.resume.groups)]
 
     def measure(self, batches: list) -> dict:
-        """Reward and the reward-hacking signals of the consumed groups."""
+        """Reward (of the rewarded steps: one without is left out, as in training) and the reward-hacking
+        signals of the consumed groups."""
+        from stepmill.train.micro_batches import rewarded_steps
+
         batches = [b for b in batches if b.tensors]
-        metrics = {"reward": mean_reward(batches), "groups": len(batches),
+        metrics = {"reward": mean_reward([rewarded_steps(b)[0] for b in batches]), "groups": len(batches),
                    "trajectories": len({t for b in batches for t in b.meta["trajectory_id"]})}
         metrics.update(response_signals(batches))
         staleness = [self.version - int(v) for b in batches for v in b.meta["policy_version"]

@@ -10,7 +10,9 @@ import torch
 
 from stepmill.trainer_bridge.layouts import concat_step_batches
 
-from stepmill.train.config import TrainConfig
+from stepmill.errors import ConfigError
+from stepmill.train.config import LoraConfig, TrainConfig
+from stepmill.train.engine_sync import LoraAdapter, is_peft
 from stepmill.train.forward import micro_batch_loss, token_view
 from stepmill.train.methods import method as rl_method
 from stepmill.train.micro_batches import layout_batch, select_rows
@@ -33,9 +35,50 @@ def load_model(folder: str, seed: int, *, device: str = "cpu", dtype: str = "flo
 
 
 def policy_model(train: TrainConfig):
-    """``load_model`` as the ``[train]`` table asks: its device, dtype, attention and checkpointing."""
-    return load_model(train.model, train.seed, device=train.torch_device(), dtype=train.torch_dtype(),
-                      attention=train.attention_implementation(), gradient_checkpointing=train.gradient_checkpointing)
+    """``load_model`` as the ``[train]`` table asks: its device, dtype, attention and checkpointing; with
+    ``[train.lora]``, a peft model around it that trains only the adapter."""
+    model = load_model(train.model, train.seed, device=train.torch_device(), dtype=train.torch_dtype(),
+                       attention=train.attention_implementation(), gradient_checkpointing=train.gradient_checkpointing)
+    return with_lora(model, train.lora) if train.lora else model
+
+
+def with_lora(model, lora: LoraConfig):
+    """``model`` wrapped by peft with a new LoRA adapter (B = 0: it starts as the base), its base weights
+    frozen. No dropout: the trainer's logprobs must be the engine's, which applies none."""
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(lora.target_modules),
+                            lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    try:
+        wrapped = get_peft_model(model, config)
+    except ValueError as exc:  # peft's NoMatchingPeftModuleError, a ValueError: a module name the model lacks
+        raise ConfigError(f"[train.lora] target_modules: {exc}") from None
+    wrapped.train()
+    return wrapped
+
+
+def trained_state(model, *, copy: bool = True) -> dict:
+    """What training changes: the adapter's weights (peft's names) for a LoRA policy, else every weight;
+    ``copy``: cloned (a state dict shares the parameters' storage, which the next step changes)."""
+    if is_peft(model):
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(model)
+    else:
+        state = model.state_dict()
+    return {k: v.detach().clone() for k, v in state.items()} if copy else state
+
+
+def load_trained_state(model, state: dict) -> None:
+    """``trained_state``'s weights put back into ``model``; a state of another kind is refused."""
+    if is_peft(model):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, state)
+        if result.unexpected_keys:
+            raise ConfigError(f"the saved state is not this LoRA policy's: {sorted(result.unexpected_keys)[:3]} …")
+        return
+    model.load_state_dict(state)
 
 
 class Policy:
@@ -54,7 +97,8 @@ class Policy:
             self.reference = copy.deepcopy(self.model).eval()
             for p in self.reference.parameters():
                 p.requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=train.lr, weight_decay=0.0)
+        self.trained = [p for p in self.model.parameters() if p.requires_grad]  # the adapter alone with LoRA
+        self.optimizer = torch.optim.AdamW(self.trained, lr=train.lr, weight_decay=0.0)
 
     def step(self, batches: list, *, update: bool) -> dict:
         """``epochs`` optimizer steps on the groups, the engine's logprobs the behaviour policy throughout
@@ -63,10 +107,13 @@ class Policy:
         and clip fraction beside them.
 
         Before the first step the model's weights are those the engine served for on-policy groups, so
-        the gap between the trainer's and the engine's logprobs on the sampled tokens is measured here."""
+        the gap between the trainer's and the engine's logprobs on the sampled tokens is measured here.
+        Steps without a reward are left out of the step, counted in ``unrewarded_steps``."""
         batch = layout_batch(batches, self.train.layout, self.train.micro_batch_tokens)
+        stats = {**self.sample_gap(batches), "unrewarded_steps": batch.unrewarded}
+        if not len(batch):  # no step had a reward: nothing to learn from
+            return stats
         plan = token_view(None, batch.padded, batch.padded_layout)  # every trained token, no forward
-        stats = self.sample_gap(batches)
         for epoch in range(self.train.epochs if update else 1):
             self.optimizer.zero_grad(set_to_none=True)
             step_stats = micro_batch_loss(self.model, batch.chunks, batch.layout, plan, self.method,
@@ -77,7 +124,7 @@ class Policy:
             else:
                 stats.update(last_loss=step_stats["loss"], last_clip_fraction=step_stats["clip_fraction"])
             if update:
-                norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0))
+                norm = float(torch.nn.utils.clip_grad_norm_(self.trained, 1.0))
                 if not math.isfinite(norm):  # a step on it would write NaN weights to the engine
                     stats["skipped_steps"] = stats.get("skipped_steps", 0) + 1
                     continue
@@ -86,12 +133,16 @@ class Policy:
         self.optimizer.zero_grad(set_to_none=True)
         return stats
 
+    def adapter(self):
+        """The LoRA adapter being trained (``LoraAdapter``), or None when the full weights are."""
+        return LoraAdapter.from_peft(self.model) if self.train.lora else None
+
     def serving(self, version: int) -> None:
         """The engine now serves these weights as ``version``: kept (async) for as long as groups
         stamped with it may still be trained on, so their engine logprobs can be checked against them."""
         self.version = version
         keep = self.train.max_staleness if self.train.mode == "async" else 0
-        self.snapshots[version] = {k: v.detach().clone() for k, v in self.model.state_dict().items()} if keep else None
+        self.snapshots[version] = trained_state(self.model) if keep else None
         for old in [v for v in self.snapshots if v < version - keep]:
             del self.snapshots[old]
 
@@ -113,14 +164,14 @@ class Policy:
                     unchecked += len(rows)
                     continue
                 older = weights is not None and version != str(self.version)
-                if older:  # state_dict() shares the parameters' storage: keep a copy to come back to
-                    current = current or {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-                    self.model.load_state_dict(weights)
+                if older:  # the weights being trained, copied to come back to
+                    current = current or trained_state(self.model)
+                    load_trained_state(self.model, weights)
                 try:
                     view = token_view(self.model, select_rows(steps, rows), "steps")
                 finally:
                     if older:
-                        self.model.load_state_dict(current)
+                        load_trained_state(self.model, current)
                 gaps.append((view.logprobs.double() - view.old_logprobs.double()).abs())
         diff = torch.cat(gaps) if gaps else torch.zeros(0)
         return {"rollout_gap": float(diff.max()) if diff.numel() else None,
