@@ -32,10 +32,10 @@ def save(folder: Path, *, version: int, model, optimizer, groups: list[str], met
     """The state after the step that made ``version``'s weights (on ``groups``), atomically."""
     import torch  # here only: stepmill.train.loop imports this module, and its callers need no torch
 
-    folder.mkdir(parents=True, exist_ok=True)
     from stepmill.train.engine_sync import is_peft
     from stepmill.train.policy import trained_state
 
+    folder.mkdir(parents=True, exist_ok=True)
     state = {"version": version, "groups": list(groups), "metrics": dict(metrics), "resumes": resumes, "done": done,
              "model": trained_state(model, copy=False), "lora": is_peft(model),
              "optimizer": optimizer.state_dict() if optimizer is not None else None,
