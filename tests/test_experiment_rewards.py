@@ -11,15 +11,12 @@ from hypothesis import strategies as st
 
 from stepmill.rewards import functions
 
+from .test_train_rewards import trajectory
+
 ANIMALS = sorted(functions.topic_word_lists()["animals"])
 PLAIN = sorted(functions.english_words() - set(ANIMALS))  # English words that are not in the animals list
 KNOWN = sorted(functions.english_words() | set(ANIMALS))
 padding = st.sampled_from([" ", "  ", "\n", "\t", ".", ",", "!", " - ", "...", "; ", "\n\n"])
-
-
-def trajectory(reply: str, **metadata) -> dict:
-    return {"id": "t", "metadata": metadata, "completion": {"role": "assistant", "content": reply},
-            "messages": [{"role": "assistant", "content": reply}], "steps": []}
 
 
 def off_topic(reply: str) -> float:
