@@ -19,7 +19,8 @@ from .conftest import STEPMILL
 FRAMEWORKS = Path(__file__).parent.parent / ".agents" / "frameworks"
 # Where each recipe's interpreter is installed (put first on the runner's PATH), and the program it names.
 INSTALLS = {"openai-agents": ("openai-agents/bin", "python"), "langgraph": ("langgraph/bin", "python"),
-            "pydantic-ai": ("pydantic-ai/bin", "python"), "smolagents": ("smolagents/bin", "python")}
+            "pydantic-ai": ("pydantic-ai/bin", "python"), "smolagents": ("smolagents/bin", "python"),
+            "ai-sdk": ("node/node_modules/.bin", "node"), "mastra": ("node/node_modules/.bin", "node")}
 # smolagents sends its past tool calls and their results back as text, not as tool messages: its calls do
 # not continue one another (each is exact, and a root of its own in the run's trajectory).
 UNLINKED = {"smolagents"}
