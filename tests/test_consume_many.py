@@ -578,3 +578,49 @@ def test_a_trainer_that_asks_for_scored_groups_waits_for_their_rewards(tmp_path)
     store.release_groups("plain", ["g-scored"])
     store.add_reward("s-1", 0.0)
     assert [b.meta["group_id"] for b in trainer.claim_many(2)] == ["g-scored"]
+
+
+# A trainer started before anything it needs exists: its consumer waits (``wait_s``) for the nodes' write token
+# and the first groups, then iterates until no group is ready within ``wait_s``; one line per group it trained on.
+EARLY_TRAINER = r"""
+import sys
+from stepmill.fleet.remote_consumer import RemoteConsumer
+url, confdir = sys.argv[1:3]
+with RemoteConsumer(url, "early", confdir=confdir, wait_s=25) as trainer:
+    for batch in trainer:
+        print(batch.meta["group_id"], len(batch), flush=True)
+"""
+
+
+@pytest.mark.slow  # its first progress line comes after 10 s, and it waits out 25 s idle at the end
+@pytest.mark.timeout(180)
+def test_a_trainer_started_before_the_rollout_waits_then_consumes_every_group_once(fleet, url, db, tmp_path):
+    """No token, no node, no group when it starts: it says what it waits for, then trains on each group
+    once, and ends once none has come for ``wait_s``."""
+    from .fleet_processes import acks_by_group, start_serve
+
+    confdir = tmp_path / "conf"
+    said = tmp_path / "trainer.err"
+    trainer = subprocess.Popen([sys.executable, "-c", EARLY_TRAINER, url, str(confdir)], text=True,
+                               stdout=subprocess.PIPE, stderr=said.open("w"))
+    serve = None
+    try:
+        wait_until(lambda: "waiting for the nodes' write token" in said.read_text() or trainer.poll() is not None,
+                   timeout=60, what="the trainer's first progress line")
+        assert trainer.poll() is None, said.read_text()
+        ensure_token(str(confdir))  # what the rollout does first
+        store = Store(db)
+        serve, _ = start_serve("node-early", db, confdir, url, tmp_path)
+        groups = make_groups(store, "early", 4)
+        out, _ = trainer.communicate(timeout=150)
+    finally:
+        trainer.kill()
+        if serve is not None:
+            serve.terminate()
+            serve.wait(10)
+    err = said.read_text()
+    assert trainer.returncode == 0, err
+    assert f"waiting for the nodes' write token ({confdir / 'stepmill-token'}" in err, err
+    assert sorted(line.split()[0] for line in out.splitlines()) == groups, out
+    assert acks_by_group(fleet, groups) == Counter(groups)
+    assert "no group ready after 25 s (wait_s)" in err, err

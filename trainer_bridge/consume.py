@@ -21,11 +21,14 @@ claimed group's staleness is kept (``Store.consumption_staleness``).
 
 from __future__ import annotations
 
+import sys
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
+from stepmill.errors import ConfigError
 from stepmill.store import Store
 from stepmill.store.ids import new_id
 
@@ -38,11 +41,30 @@ def group_ids(batches: Iterable[Batch]) -> list[str]:
 
 class GroupStream:
     """What every consumer (this one, ``NodeConsumer`` over HTTP, a fleet's ``RemoteConsumer``) offers on
-    top of its own ``claim_many``, ``ack_many`` and ``release_many``: one at a time, a step, iteration."""
+    top of its own ``claim_many``, ``ack_many`` and ``release_many``: one at a time, a step, iteration,
+    each waiting up to ``wait_s`` for a group when none is ready (a trainer started before its rollout)."""
+
+    wait_s: float = 0.0  # how long claim(), step() and iteration wait for a ready group (0: not at all)
+
+    def not_ready(self) -> str | None:
+        """What this consumer still lacks to claim at all (a node's write token, say), or None."""
+        return None
+
+    def claim_waiting(self, k: int) -> list[Batch]:
+        """``claim_many(k)``, asked again every second while nothing is ready (or ``not_ready`` names
+        what is missing), for up to ``wait_s``, with a progress line on stderr every 10 s. Past it: an
+        empty list when nothing was ready, a ``ConfigError`` naming ``wait_s`` when something was missing."""
+        waited = Waiting(self.wait_s, getattr(self, "name", "consumer"))
+        while True:
+            missing = self.not_ready()
+            batches = [] if missing else self.claim_many(k)
+            if batches or not waited.go_on(missing):
+                return batches
 
     def claim(self) -> Batch | None:
-        """The next ready group as one batch (leased to this consumer), or None when none is ready."""
-        batches = self.claim_many(1)
+        """The next ready group as one batch (leased to this consumer), or None when none is ready
+        (within ``wait_s``)."""
+        batches = self.claim_waiting(1)
         return batches[0] if batches else None
 
     def ack(self, batch: Batch) -> None:
@@ -181,11 +203,41 @@ def staleness_summary(rows: Iterable[dict]) -> str | None:
     return f"groups handed out: {sum(counts.values())} ({states}); staleness at claim: {behind}"
 
 
+class Waiting:
+    """A consumer's wait for its first claimable group: how long it has waited, and what it says meanwhile."""
+
+    POLL_S = 1.0
+    PROGRESS_S = 10.0
+
+    def __init__(self, wait_s: float, name: str):
+        self.wait_s, self.name = wait_s, name
+        self.start = self.said = time.monotonic()
+
+    def go_on(self, missing: str | None) -> bool:
+        """Whether to ask again (after a pause): False once ``wait_s`` is spent with nothing missing;
+        ``ConfigError`` when it is spent and ``missing`` still names what is."""
+        waited = time.monotonic() - self.start
+        if waited >= self.wait_s:
+            if missing:
+                raise ConfigError(f"consumer {self.name!r} waited {self.wait_s:.0f} s (wait_s) and still lacks "
+                                  f"{missing}")
+            if self.wait_s:
+                print(f"stepmill: consumer {self.name!r}: no group ready after {self.wait_s:.0f} s (wait_s)",
+                      file=sys.stderr, flush=True)
+            return False
+        if time.monotonic() - self.said >= self.PROGRESS_S:
+            self.said = time.monotonic()
+            print(f"stepmill: consumer {self.name!r} waiting for {missing or 'a ready group'} "
+                  f"({waited:.0f} s of {self.wait_s:.0f} s, wait_s)", file=sys.stderr, flush=True)
+        time.sleep(min(self.POLL_S, self.wait_s - waited))
+        return True
+
+
 @contextmanager
 def stepping(consumer, k: int) -> Iterator[list[Batch]]:
-    """``consumer.claim_many(k)``, acknowledged together by ``ack_many`` after the block, or given back
+    """``consumer.claim_waiting(k)``, acknowledged together by ``ack_many`` after the block, or given back
     by ``release_many`` when it raises (the same for every consumer: local, over HTTP, of a fleet)."""
-    batches = consumer.claim_many(k)
+    batches = consumer.claim_waiting(k)
     try:
         yield batches
     except BaseException:

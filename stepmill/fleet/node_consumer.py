@@ -55,14 +55,21 @@ class NodeConsumer(HeldGroups):
     also ``urllib.error.HTTPError``."""
 
     def __init__(self, url: str, name: str, *, token: str | None = None, confdir: str | None = None,
-                 timeout: float = 120, session: str | None = None, **params):
+                 timeout: float = 120, session: str | None = None, wait_s: float = 0.0, **params):
         from stepmill.auth.write_token import read_token
 
         super().__init__(session)
-        self.url, self.name, self.timeout = url.rstrip("/"), name, timeout
-        self.token = token or read_token(confdir)
+        self.url, self.name, self.timeout, self.wait_s = url.rstrip("/"), name, timeout, wait_s
+        self.token, self._confdir = token or read_token(confdir), confdir
         self.params = params
         self.lease_seconds = params.get("lease_seconds", 600)
+
+    def not_ready(self) -> str | None:
+        """The node's write token, read again while missing (the rollout makes it: ``wait_s``)."""
+        from stepmill.auth.write_token import read_token, token_path
+
+        self.token = self.token or read_token(self._confdir)
+        return None if self.token else f"the node's write token ({token_path(self._confdir)}, made by the rollout)"
 
     def _post(self, path: str, body: dict):
         request = urllib.request.Request(self.url + path, data=json.dumps({"consumer": self.name, **body}).encode(),

@@ -52,13 +52,14 @@ class RemoteConsumer(GroupStream):
     """``Consumer`` for a fleet: ``coordinator`` is a ``Coordinator``, its URL, or None (``STEPMILL_COORDINATOR``).
     ``max_staleness``: set aside groups more policy versions behind than this (the fleet's own limit, when
     lower, holds too). ``token``: the nodes' write token (one for all), or ``tokens``: node id → token;
-    else the token in ``confdir``. Layout options (``max_prompt_length``, ``max_response_length``,
+    else the token in ``confdir``, read when first needed. ``wait_s``: how long a claim waits for the token
+    and for a ready group (a trainer started before the rollout). Layout options (``max_prompt_length``, ``max_response_length``,
     ``overlong``, ``pad_id``) are those of ``step_batches``; each group is one batch."""
 
     def __init__(self, coordinator: Coordinator | str | None, name: str, *, channel: str | None = "train",
                  lease_seconds: float = 600.0, retry_after_s: float = 30.0, max_staleness: int | None = None,
                  token: str | None = None, tokens: dict[str, str] | None = None, confdir: str | None = None,
-                 timeout: float = 120.0, **layout):
+                 timeout: float = 120.0, wait_s: float = 0.0, **layout):
         unknown = set(layout) - set(LAYOUT_FIELDS)
         if unknown:
             raise BadInput(f"unknown layout option {sorted(unknown)[0]!r} (one batch per group; "
@@ -69,7 +70,8 @@ class RemoteConsumer(GroupStream):
         if token is None and not tokens:
             from stepmill.auth.write_token import read_token
 
-            token = read_token(confdir)
+            token = read_token(confdir)  # None until the rollout makes it: ``not_ready`` reads again
+        self.wait_s, self._confdir = wait_s, confdir
         self._token, self._tokens = token, dict(tokens or {})
         self.report: Counter = Counter()
         self.failures: list[str] = []  # why nodes could not serve groups, oldest first
@@ -81,6 +83,17 @@ class RemoteConsumer(GroupStream):
         self._resumed = False
 
     # --- the trainer's side ------------------------------------------------------------------------------
+
+    def not_ready(self) -> str | None:
+        """The nodes' write token, read again while missing: a trainer may start before the rollout that
+        makes it (``[proxy] confdir``'s ``stepmill-token``, or ``STEPMILL_TOKEN``)."""
+        if self._token is None and not self._tokens:
+            from stepmill.auth.write_token import read_token, token_path
+
+            self._token = read_token(self._confdir)
+            if self._token is None:
+                return f"the nodes' write token ({token_path(self._confdir)}, made by the rollout; or STEPMILL_TOKEN)"
+        return None
 
     def claim_many(self, k: int) -> list[Batch]:
         """Up to ``k`` groups, one batch each, leased to this consumer (the groups this name held before a
