@@ -6,26 +6,23 @@ which stepmill's runner sets from [route] base_url); the client's httpx takes HT
 and SSL_CERT_FILE. Nothing is traced unless LANGSMITH_TRACING is set (the runner passes it only when
 [isolation] pass_env names it).
 
-    python langgraph_loop.py --model qwen "What is 17 * 23?"
+    echo "What is 17 * 23?" | python langgraph_loop.py --model qwen
 """
 
 from __future__ import annotations
 
 import sys
 
-from shared import INSTRUCTIONS, arguments, calculator, missing, sampling
+from shared import INSTRUCTIONS, calculator, run, sampling
 
 
-def main(argv=None) -> int:
-    args = arguments("LangGraph", argv)
-    try:
-        from langchain_core.messages import HumanMessage, SystemMessage
-        from langchain_core.tools import tool
-        from langchain_openai import ChatOpenAI
-        from langgraph.graph import START, MessagesState, StateGraph
-        from langgraph.prebuilt import ToolNode, tools_condition
-    except ImportError as error:
-        return missing("langgraph langchain-openai", error)
+def answer(args) -> str:
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.graph import START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode, tools_condition
+
     tools = [tool(calculator)]
     model = ChatOpenAI(model=args.model, base_url=args.base_url, api_key=args.api_key, max_retries=1,
                        **sampling(args)).bind_tools(tools)
@@ -41,9 +38,8 @@ def main(argv=None) -> int:
     graph.add_edge("tools", "model")
     # Each turn is two steps of the graph (the model, then the tools).
     result = graph.compile().invoke({"messages": [HumanMessage(args.task)]}, {"recursion_limit": 2 * args.max_turns})
-    print(result["messages"][-1].content)
-    return 0
+    return result["messages"][-1].content
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run("LangGraph", "langgraph langchain-openai", answer))

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location("stepmill_tool_loop", Path(__file__).resolve().parent.parent
@@ -57,8 +58,15 @@ def sampling(args: argparse.Namespace) -> dict:
     return {name: value for name, value in given.items() if value is not None}
 
 
-def missing(package: str, error: ImportError) -> int:
-    """The framework is not on this interpreter: say which and how to install it."""
-    print(f"{package} is not installed for {sys.executable} ({error}): pip install {package}, or run this "
-          "example with the Python of the environment that has it", file=sys.stderr)
-    return 3
+def run(framework: str, package: str, answer: Callable[[argparse.Namespace], object], argv=None) -> int:
+    """An example's main: its command line, then ``answer(args)`` (the framework's agent on the task, imported
+    there), printed. A framework missing on this interpreter is said with how to install it."""
+    args = arguments(framework, argv)
+    try:
+        output = answer(args)
+    except ModuleNotFoundError as error:
+        print(f"{framework} is not installed for {sys.executable} ({error}): pip install {package}, or run "
+              "this example with the Python of the environment that has it", file=sys.stderr)
+        return 3
+    print(output)
+    return 0
