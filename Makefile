@@ -27,14 +27,15 @@ docs: $(PY)
 docs-build: $(PY)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
-# The fast tests first, then the end-to-end ones (a real engine, cluster or trainer: marked slow).
+# The fast tests first, then the end-to-end ones (a real engine, cluster or trainer: marked slow); each
+# pass ends with its slowest tests, so a CI log says where its time went.
 test: test-fast test-slow
 
 test-fast: $(PY)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=15
 
 test-slow: $(PY)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow --durations=30
 
 bench: $(PY)
 	$(PY) -m bench.capture_bench
