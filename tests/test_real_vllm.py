@@ -462,7 +462,8 @@ def test_demo_on_the_real_vllm(vllm, tmp_path):
 SHORT_CALLS = 64
 
 
-@pytest.mark.parametrize("name", ["mini-swe-agent", "codex", "claude-code", "qwen-code", "opencode", "aider", "gemini-cli"])
+@pytest.mark.parametrize("name", ["mini-swe-agent", "codex", "claude-code", "qwen-code", "opencode", "aider", "gemini-cli",
+                                  "kilo-code"])
 def test_recipe_against_the_real_vllm(name, engine_proxy, vllm, marker, tmp_path):
     from .test_agent_recipes import APIS, ENGINE_APIS, asked_caps, caps_wanted, run_recipe
 
