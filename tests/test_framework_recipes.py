@@ -13,9 +13,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stepmill.agents.tool_loop import run_tool
 
 from .conftest import STEPMILL
+from .test_real_vllm import engine_proxy  # noqa: F401  (the real vLLM behind the real proxy, a fixture)
 
+EXAMPLES = Path(__file__).parent.parent / "stepmill" / "agents" / "frameworks"
 FRAMEWORKS = Path(__file__).parent.parent / ".agents" / "frameworks"
 # Where each recipe's interpreter is installed (put first on the runner's PATH), and the program it names.
 INSTALLS = {"openai-agents": ("openai-agents/bin", "python"), "langgraph": ("langgraph/bin", "python"),
@@ -96,3 +102,57 @@ def test_framework_recipe_through_the_runner(name, proxy, simulated_llm, marker,
         if name not in UNLINKED:
             assert chain[1]["parent_step_id"] == chain[0]["step_id"], detail
             assert chain[1]["messages"][-1]["role"] == "tool", chain[1]["messages"]
+
+
+# --- the TypeScript examples' calculator (shared.mjs parses arithmetic itself) -------------------------------
+
+def arithmetic() -> st.SearchStrategy[str]:
+    """Expressions the tool loop's calculator takes: integers, + - * /, small powers, signs, parentheses."""
+    numbers = st.integers(0, 999).map(str)
+
+    def grow(inner):
+        binary = st.tuples(inner, st.sampled_from(["+", "-", "*", "/"]), inner).map(" ".join)
+        power = st.tuples(inner, st.integers(0, 3)).map(lambda pair: f"({pair[0]}) ** {pair[1]}")
+        return st.one_of(binary, power, inner.map(lambda e: f"-{e}"), inner.map(lambda e: f"({e})"))
+
+    return st.recursive(numbers, grow, max_leaves=6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(arithmetic(), min_size=1, max_size=20))
+def test_the_typescript_calculator_agrees_with_the_tool_loop(expressions):
+    """What a TypeScript example's calculator answers is what the Python examples' (the tool loop's) does:
+    the same number, or an error for both (division by zero)."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    script = ("const { calculate } = await import(process.argv[1]);"
+              "console.log(JSON.stringify(JSON.parse(process.argv[2]).map(calculate)));")
+    done = subprocess.run([node, "--input-type=module", "-e", script, (EXAMPLES / "shared.mjs").as_uri(),
+                           json.dumps(expressions)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for expression, typescript in zip(expressions, json.loads(done.stdout), strict=True):
+        python = run_tool("calculator", json.dumps({"expression": expression}))
+        if python.startswith("error"):
+            assert typescript.startswith("error"), (expression, python, typescript)
+        else:
+            assert float(typescript) == pytest.approx(float(python), rel=1e-9), (expression, python, typescript)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(INSTALLS))
+def test_framework_recipe_against_the_real_vllm(name, engine_proxy, vllm, marker, tmp_path):  # noqa: F811
+    """Each recipe as shipped against the real vLLM (random weights: it rarely calls the tool, and its
+    answers are noise), every call stored with the ids vLLM sampled. Calls kept short: 64 new tokens."""
+    done, trajectories, detail = rollout(name, engine_proxy, vllm.url, vllm.model, marker, tmp_path, tasks=1,
+                                         run="timeout = 240\nmax_new_tokens = 64")
+    assert "2 runs finished (0 failed, 0 timed out)" in done.stderr, detail
+    assert {json.loads(t["metadata"]).get("isolation") for t in trajectories} == {"sandbox"}, detail
+    steps = engine_proxy.steps("s.trajectory_id LIKE ?", [f"{name}-{marker}-%"], count=2)
+    print(name, [(s["trajectory_id"][-2:], s["status"], s["finish_reason"], len(s["response_ids"] or ())) for s in steps])
+    assert len(by_trajectory(steps)) == 2, detail
+    assert {(s["api"], s["status"], s["token_provenance"]) for s in steps} == {("openai.chat", "ok", "exact")}, detail
+    for step in steps:
+        assert step["prompt_ids"] and step["response_ids"] and len(step["logprobs"]) == len(step["response_ids"])
+        assert len(step["response_ids"]) <= 64
