@@ -106,7 +106,19 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
     ("lease_staleness", [
         "ALTER TABLE stepmill.leases ADD COLUMN policy_version text, ADD COLUMN staleness bigint",
     ]),
+    # What happened to each node's processes and runs (a proxy that died and was restarted, a run run again),
+    # and a node whose proxy could not come back: ``lost`` says why; it takes no more runs.
+    ("node_events", [
+        """CREATE TABLE stepmill.node_events (
+             id bigserial PRIMARY KEY, node_id text NOT NULL REFERENCES stepmill.nodes (id),
+             at timestamptz NOT NULL DEFAULT now(), kind text NOT NULL, run_id text, detail text NOT NULL DEFAULT '')""",
+        "CREATE INDEX node_events_node ON stepmill.node_events (node_id, id)",
+        "ALTER TABLE stepmill.nodes ADD COLUMN lost text",
+    ]),
 ]
+# What a node event says happened (``Coordinator.node_event``).
+NODE_EVENTS = ("proxy_died", "proxy_restarted", "proxy_lost", "serve_died", "serve_restarted", "serve_stopped",
+               "rerun", "moved")
 
 
 @dataclass
@@ -330,7 +342,7 @@ class Coordinator:
             raise BadInput(f"a node's serve URL must be an http(s):// URL, got {serve_url!r:.80}")
         self._run(lambda cur: cur.execute(
             "INSERT INTO stepmill.nodes (id, serve_url) VALUES (%s, %s) ON CONFLICT (id) DO UPDATE"
-            " SET serve_url = EXCLUDED.serve_url, heartbeat_at = now()", [node_id, serve_url]))
+            " SET serve_url = EXCLUDED.serve_url, heartbeat_at = now(), lost = NULL", [node_id, serve_url]))
 
     def heartbeat(self, node_id: str) -> None:
         _id(node_id, "a node id")
@@ -341,11 +353,65 @@ class Coordinator:
         self._run(work)
 
     def nodes(self) -> list[dict]:
-        """Every node: id, serve_url, last_heartbeat (epoch seconds), silent_s, alive."""
+        """Every node: id, serve_url, last_heartbeat (epoch seconds), silent_s, alive, lost (why its proxy
+        could not come back, None while it can take runs)."""
         rows = self._run(lambda cur: cur.execute(
-            "SELECT id, serve_url, extract(epoch FROM heartbeat_at)::float8 AS last_heartbeat,"
+            "SELECT id, serve_url, lost, extract(epoch FROM heartbeat_at)::float8 AS last_heartbeat,"
             " extract(epoch FROM now() - heartbeat_at)::float8 AS silent_s FROM stepmill.nodes ORDER BY id").fetchall())
         return [{**row, "alive": row["silent_s"] <= self.node_timeout_s} for row in rows]
+
+    def node_event(self, node_id: str, kind: str, detail: str = "", *, run_id: str | None = None) -> None:
+        """Record what happened on a node (``NODE_EVENTS``); ``proxy_lost`` also marks the node lost (its
+        proxy could not be restarted: it takes no more runs) until it registers again."""
+        _id(node_id, "a node id")
+        if kind not in NODE_EVENTS:
+            raise BadInput(f"a node event is one of {', '.join(NODE_EVENTS)}, not {kind!r:.40}")
+        if run_id is not None:
+            _id(run_id, "a run id")
+        detail = str(detail)[:2000]
+
+        def work(cur):
+            if not cur.execute("SELECT 1 FROM stepmill.nodes WHERE id = %s", [node_id]).fetchone():
+                raise NotFound(f"no node {node_id!r} is registered with the coordinator")
+            cur.execute("INSERT INTO stepmill.node_events (node_id, kind, run_id, detail) VALUES (%s, %s, %s, %s)",
+                        [node_id, kind, run_id, detail])
+            if kind == "proxy_lost":
+                cur.execute("UPDATE stepmill.nodes SET lost = %s WHERE id = %s", [detail or "lost", node_id])
+        self._run(work)
+
+    def node_events(self, node_id: str | None = None, *, limit: int = 100) -> list[dict]:
+        """The latest ``limit`` node events (of one node, or of all), oldest first: id, node_id, at (epoch
+        seconds), kind, run_id, detail."""
+        if node_id is not None:
+            _id(node_id, "a node id")
+        rows = self._run(lambda cur: cur.execute(
+            "SELECT id, node_id, extract(epoch FROM at)::float8 AS at, kind, run_id, detail FROM stepmill.node_events"
+            " WHERE %s::text IS NULL OR node_id = %s ORDER BY id DESC LIMIT %s",
+            [node_id, node_id, max(1, int(limit))]).fetchall())
+        return rows[::-1]
+
+    def move_group(self, group_id: str, node_id: str, reason: str) -> list[str]:
+        """A group whose node was lost runs again on ``node_id``: its runs are registered there afresh (not
+        finished, committed or scored) and a ``moved`` event names the reason. Only a group that was never
+        ready can move (a ready one's steps were handed out as they are); returns the runs moved."""
+        _id(group_id, "a group id")
+        _id(node_id, "a node id")
+
+        def work(cur):
+            group = cur.execute("SELECT ready_at FROM stepmill.groups WHERE id = %s FOR UPDATE", [group_id]).fetchone()
+            if group is None:
+                raise NotFound(f"no group {group_id!r} is registered with the coordinator")
+            if group["ready_at"] is not None:
+                raise Conflict(f"group {group_id!r} is ready on its node already: it does not move")
+            if not cur.execute("SELECT 1 FROM stepmill.nodes WHERE id = %s", [node_id]).fetchone():
+                raise NotFound(f"no node {node_id!r} is registered with the coordinator")
+            runs = [row["id"] for row in cur.execute(
+                "UPDATE stepmill.runs SET node_id = %s, finished = false, committed = false, scored = false"
+                " WHERE group_id = %s RETURNING id", [node_id, group_id]).fetchall()]
+            cur.execute("INSERT INTO stepmill.node_events (node_id, kind, detail) VALUES (%s, 'moved', %s)",
+                        [node_id, f"group {group_id} ({len(runs)} runs) moved here: {reason}"[:2000]])
+            return sorted(runs)
+        return self._run(work)
 
     def runs_to_report(self, node_id: str) -> list[str]:
         """Ids of the node's runs not yet reported finished, committed and scored (what a node still has to

@@ -15,7 +15,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -32,6 +31,7 @@ from stepmill.runner.proxy_handle import ProxyHandle, stop_process
 from stepmill.runner.run_folders import new_runs_root, runs_folder
 
 HEARTBEAT_S = 10.0
+RESTART_TRIES = 3  # starts of a dead proxy before its node is lost
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,14 @@ class Node:
     def __init__(self, name: str, config: Config, node_dir: str, coordinator: str | None = None,
                  heartbeat_s: float = HEARTBEAT_S):
         self.name, self.config = name, config
+        self._stopped = threading.Event()
+        self._spawning = threading.Lock()  # a restart never starts a process once stop has begun
+        self._fleet = None
+        self.generation = 0  # how often the node's proxy died: a run that saw it change was cut
+        self.lost: str | None = None  # why the proxy could not be restarted: the node takes no more runs
         folder = Path(os.path.expanduser(node_dir))
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.folder = folder
         db = str(folder / f"{name}.db")
         from stepmill.store import Store
 
@@ -73,14 +79,14 @@ class Node:
             runs_root = new_runs_root(runs_folder(db, config.run.runs_dir), config.run.keep_runs_days)
             self.where = Where(name, db, self.proxy.confdir, self.proxy.url, self.proxy.reverse_url, self.serve_url,
                                str(runs_root), str(ensure_bundle(self.proxy.confdir)), _ray_node_id())
-            self._stopped = threading.Event()
-            self._fleet = None
             if coordinator:
                 from stepmill.store.fleet_ledger import Coordinator
 
                 self._fleet = Coordinator(coordinator)
                 self._fleet.register_node(name, self.serve_url)
                 threading.Thread(target=self._heartbeat, args=(heartbeat_s,), daemon=True).start()
+            # Long-lived: the processes it restarts die with the thread that started them (die_with_parent).
+            threading.Thread(target=self._supervise, name=f"stepmill-supervise-{name}", daemon=True).start()
         except BaseException:
             self.stop()
             raise
@@ -96,26 +102,92 @@ class Node:
                     raise
                 time.sleep(0.5)
 
-    def _start_serve(self, db: str) -> tuple[str, subprocess.Popen]:
-        """`stepmill serve` on the node's file, on the node's address: trainers on other machines fetch here."""
+    def _start_serve(self, db: str, port: int | None = None) -> tuple[str, subprocess.Popen]:
+        """`stepmill serve` on the node's file, on the node's address: trainers on other machines fetch here.
+        Its log is ``<node_dir>/<node>.serve.log`` (appended to: a restart's lines follow)."""
         host = _node_address()
-        port = free_port()
-        log = Path(tempfile.gettempdir()) / f"stepmill-node-serve-{port}.log"
-        with open(log, "wb", opener=private_opener) as out:
+        port = port or free_port()
+        log = self.folder / f"{self.name}.serve.log"
+        with open(log, "ab", opener=private_opener) as out:
             process = subprocess.Popen([sys.executable, "-m", "stepmill.cli", "serve", "--db", db, "--host", host,
                                         "--port", str(port), "--confdir", self.proxy.confdir],
                                        stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         url = f"http://{host}:{port}"
-        deadline = time.time() + 60
-        while True:
+        _wait_up(lambda: urllib.request.urlopen(f"{url}/v1/health", timeout=5).close(), process,
+                 f"stepmill serve on node {self.name}", log)
+        return url, process
+
+    # --- supervision: the node's proxy and serve, restarted where they die ------------------------------
+
+    def _supervise(self, every: float = 0.5) -> None:
+        """Watch the node's proxy and serve as a supervisor watches its workers: one that exits is started
+        again on the same ports and files, so the runs' tasks keep their addresses."""
+        while not self._stopped.wait(every):
             try:
-                with urllib.request.urlopen(f"{url}/v1/health", timeout=5):
-                    return url, process
-            except OSError:
-                if process.poll() is not None or time.time() > deadline:
-                    process.kill()
-                    raise RuntimeError(f"stepmill serve on node {self.name} does not answer (its log: {log})") from None
-                time.sleep(0.2)
+                if self.lost is None and self.proxy.process.poll() is not None:
+                    self._heal_proxy()
+                if self.serve.poll() is not None:
+                    self._heal_serve()
+            except Exception as exc:  # never let the watch end: the next pass looks again
+                print(f"stepmill: node {self.name}: supervision: {exc}", file=sys.stderr, flush=True)
+
+    def _heal_proxy(self) -> None:
+        """The proxy died: every run in flight is cut (``generation`` changes); up to ``RESTART_TRIES``
+        starts of the same command, else the node is lost."""
+        self.generation += 1
+        died = self.proxy.process
+        self._event("proxy_died", f"exit {died.returncode}; the runs in flight on it are cut and run again")
+        reason = ""
+        for attempt in range(1, RESTART_TRIES + 1):
+            time.sleep(attempt - 1)  # a port the dead process held may take a moment to be free
+            try:
+                self.proxy.process = self._respawn(died.args, Path(self.proxy.log))
+                if self.proxy.process is None:
+                    return  # the node is stopping
+                _wait_up(self.proxy.client.health, self.proxy.process, f"the proxy of node {self.name}",
+                         self.proxy.log)
+                self._event("proxy_restarted", f"pid {self.proxy.process.pid}, attempt {attempt} of "
+                                               f"{RESTART_TRIES}, at {self.proxy.url} on {self.proxy.db}")
+                return
+            except (OSError, RuntimeError) as exc:
+                reason = str(exc)
+        self.lost = f"its proxy died and did not come back after {RESTART_TRIES} starts ({reason})"
+        self._event("proxy_lost", self.lost)
+
+    def _heal_serve(self) -> None:
+        died = self.serve
+        self._event("serve_died", f"exit {died.returncode}")
+        port = int(self.serve_url.rsplit(":", 1)[1])
+        with self._spawning:
+            if self._stopped.is_set():
+                return
+        try:
+            self.serve_url, self.serve = self._start_serve(self.proxy.db, port)
+            self._event("serve_restarted", f"pid {self.serve.pid} at {self.serve_url}")
+        except (OSError, RuntimeError) as exc:
+            print(f"stepmill: node {self.name}: {exc}; trying again", file=sys.stderr, flush=True)
+
+    def _respawn(self, command: list, log: Path) -> subprocess.Popen | None:
+        """The same command again (its ports and files in it), its output after the first's; None once stopping."""
+        with self._spawning, open(log, "ab", opener=private_opener) as out:
+            if self._stopped.is_set():
+                return None
+            return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+
+    def _event(self, kind: str, detail: str) -> None:
+        """Said on the node's log and recorded with the coordinator (a coordinator away: said only)."""
+        print(f"stepmill: node {self.name}: {kind.replace('_', ' ')}: {detail}", file=sys.stderr, flush=True)
+        if self._fleet is not None:
+            try:
+                self._fleet.node_event(self.name, kind, detail)
+            except Exception as exc:
+                print(f"stepmill: node {self.name}: event not recorded: {exc}", file=sys.stderr, flush=True)
+
+    def health(self) -> dict:
+        """The proxy as the runner sees it: up, down (being restarted) or lost, and its generation."""
+        down = self.proxy.process is not None and self.proxy.process.poll() is not None
+        state = "lost" if self.lost else "down" if down else "up"
+        return {"state": state, "generation": self.generation, "lost": self.lost}
 
     def _heartbeat(self, every: float) -> None:
         while not self._stopped.wait(every):
@@ -170,14 +242,32 @@ class Node:
             store.close()
 
     def stop(self) -> None:
-        """The node's proxy and serve stop (what they committed stays in the file); heartbeats end."""
-        stopped = getattr(self, "_stopped", None)
-        if stopped is not None:
-            stopped.set()
+        """The node's proxy and serve stop (what they committed stays in the file); heartbeats and the
+        supervision end."""
+        with self._spawning:
+            self._stopped.set()
         stop_process(self.serve, 15)
-        self.proxy.close()
-        if getattr(self, "_fleet", None) is not None:
+        if getattr(self, "proxy", None) is not None:
+            self.proxy.close()
+        if self._fleet is not None:
+            if self.serve is not None:
+                self._event("serve_stopped", f"{self.serve_url}: the rollout ended")
             self._fleet.close()
+
+
+def _wait_up(answers, process: subprocess.Popen, what: str, log, timeout: float = 60) -> None:
+    """Until ``answers()`` stops raising OSError; the process killed and RuntimeError when it exits or
+    the timeout passes."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            answers()
+            return
+        except OSError:
+            if process.poll() is not None or time.time() > deadline:
+                process.kill()
+                raise RuntimeError(f"{what} does not answer (its log: {log})") from None
+            time.sleep(0.2)
 
 
 def _ray_node_id() -> str | None:

@@ -115,7 +115,7 @@ def _start_nodes(config: Config, coordinator_url: str | None, actors: dict) -> d
         name = names[node["NodeID"]]
         # num_cpus=0: a node's actor and its runs' tasks wait on processes; the runner limits runs per node.
         actors[name] = remote.options(
-            num_cpus=0, max_concurrency=4, max_restarts=0,
+            num_cpus=0, max_concurrency=8, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
         ).remote(name, config, config.run.node_dir, coordinator_url)
     wheres = ray.get([actor.info.remote() for actor in actors.values()])
@@ -135,131 +135,294 @@ def _stop_nodes(actors: dict) -> None:
         ray.kill(actor)  # the actor's process, and with it any child its stop missed (they die with their parent)
 
 
+class NodeWatch:
+    """Each node's proxy as its actor last said: up (in its generation), down (being restarted) or lost.
+    A run whose node's proxy died while it ran (the generation changed, or the proxy is down as it ends)
+    was cut: some of its calls may never have been committed."""
+
+    def __init__(self, actors: dict):
+        self.actors = actors
+        self.state = {name: {"state": "up", "generation": 0, "lost": None} for name in actors}
+
+    def refresh(self) -> None:
+        import ray
+
+        asked = {name: actor.health.remote() for name, actor in self.actors.items()
+                 if self.state[name]["state"] != "lost"}
+        for name, answer in asked.items():
+            try:
+                self.state[name] = ray.get(answer, timeout=30)
+            except Exception as exc:  # the actor itself is gone (its Ray node died): nothing runs there again
+                self.state[name] = {"state": "lost", "generation": -1, "lost": f"its actor is gone ({type(exc).__name__})"}
+
+    def up(self, name: str) -> bool:
+        return self.state[name]["state"] == "up"
+
+    def generation(self, name: str) -> int:
+        return self.state[name]["generation"]
+
+    def cut(self, name: str, generation: int) -> bool:
+        return not self.up(name) or self.state[name]["generation"] != generation
+
+    def lost(self) -> dict[str, str]:
+        return {name: s["lost"] for name, s in self.state.items() if s["state"] == "lost"}
+
+
 def _drive(config: Config, mode: str, progress: bool, fleet, coordinator_url: str | None, actors: dict) -> Report:
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    run = config.run
     report = Report(isolation=mode)
     wheres = _start_nodes(config, coordinator_url, actors)
     report.nodes = {name: {"db": w.db, "proxy": w.proxy_url, "serve": w.serve_url} for name, w in wheres.items()}
     for name, w in wheres.items():
         print(f"stepmill: {name}: proxy {w.proxy_url}, serve {w.serve_url}, steps in {w.db}", file=sys.stderr,
               flush=True)
-    names = list(actors)
-    jobs = plan(config)
-    report.total = len(jobs)
-    ids = [job.trajectory for job in jobs]
-    found = dict(zip(names, ray.get([actors[name].statuses.remote(ids) for name in names])))
-    placed = place(jobs, names, found)
-    complete = {t for statuses in found.values() for t, status in statuses.items() if status == "complete"}
-    todo = [job for job in jobs if job.trajectory not in complete]
-    report.skipped = len(jobs) - len(todo)
-    by_group: dict[str, list[Job]] = {}
-    for job in jobs:
-        by_group.setdefault(job.group, []).append(job)
-    if fleet is not None:  # the registry first: every run is known on its node before any starts
-        for group, members in by_group.items():
-            fleet.register_group(group, len(members), channel=run.channel)
-            for job in members:
-                fleet.register_run(job.trajectory, group_id=group, node_id=placed[group],
-                                   policy_version=run.policy_version)
-                if job.trajectory in complete:
-                    fleet.report(job.trajectory, finished=True, committed=True)
-    queues = {name: collections.deque(job for job in todo if placed[job.group] == name) for name in names}
-    secrets: dict[str, str] = {}
-    for name, secret_map in zip(names, ray.get([actors[name].register.remote(list(queues[name])) for name in names])):
-        secrets.update(secret_map)
-
-    specs = []
-    if config.rewards:
-        from stepmill.rewards.scoring import load_config
-
-        specs = load_config(config.path, other_sections=True)
-    rewards: dict[str, list[int]] = {spec.name: [0, 0] for spec in specs}
-    left = {group: sum(job.trajectory not in complete for job in members) for group, members in by_group.items()}
-    scoring: dict = {}  # score task -> group
-
-    def score(group: str) -> None:
-        if specs:
-            scoring[actors[placed[group]].score.remote(specs, group)] = group
-        else:
-            scored(group, {})
-
-    def scored(group: str, result: dict) -> None:
-        for name, (count, failed) in result.items():
-            rewards[name][0] += count
-            rewards[name][1] += failed
-        # A reward that failed on a run leaves its group unscored: not ready, so not handed out half-rewarded.
-        if fleet is not None and not any(failed for _, failed in result.values()):
-            for job in by_group[group]:
-                fleet.report(job.trajectory, scored=True)
-
-    for group, count in left.items():
-        if count == 0:  # every run finished earlier: scored again where not yet (scoring skips what it did)
-            score(group)
-
-    task = ray.remote(num_cpus=0, max_retries=0)(run_on_node)
-    per_node = run.runs_per_node or run.concurrency
-    free = {name: list(range(per_node)) for name in names}  # user mode: a node's uids in use
-    running: dict = {}  # task -> (node, job, slot)
-
-    def submit() -> None:
-        for name in names:
-            while free[name] and queues[name]:
-                job, slot = queues[name].popleft(), free[name].pop(0)
-                ref = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-                    wheres[name].ray_node_id, soft=False)).remote(config, wheres[name], mode, job,
-                                                                  secrets[job.trajectory])
-                running[ref] = (name, job, slot)
-
-    def totals() -> dict:
-        counts = ray.get([actor.totals.remote(f"{run.dataset}-") for actor in actors.values()], timeout=30)
-        return {key: sum(c[key] for c in counts) for key in ("steps", "output_tokens")}
-
+    rollout = Rollout(config, mode, fleet, actors, wheres, report)
     try:
-        submit()
-        while running or scoring:
-            ready, _ = ray.wait([*running, *scoring], num_returns=1, timeout=1.0)
-            for ref in ready:
-                if ref in scoring:
-                    scored(scoring.pop(ref), ray.get(ref))
-                    continue
-                name, job, slot = running.pop(ref)
-                free[name].append(slot)
-                try:
-                    outcome = ray.get(ref)
-                except ray.exceptions.RayError as exc:  # its worker died (memory, a lost node): one run lost
-                    print(f"stepmill: run {job.trajectory} on {name} was lost ({type(exc).__name__}); it stays "
-                          "open and runs again when the rollout is resumed", file=sys.stderr, flush=True)
-                    report.failed += 1
-                    continue
-                if outcome is None:
-                    continue
-                report.count(outcome)
-                if fleet is not None:
-                    fleet.report(job.trajectory, finished=True, committed=outcome.committed)
-                left[job.group] -= 1
-                if left[job.group] == 0:
-                    score(job.group)
-            submit()
-            report.running = len(running)
-            if progress:
-                print_progress(report, totals)
+        rollout.go(progress)
     except BaseException:
         report.interrupted = True
-        _cancel(list(running))
+        _cancel(list(rollout.running))
         raise
     finally:
-        report.running = len(running) if not report.interrupted else 0
+        report.running = len(rollout.running) if not report.interrupted else 0
         if progress:
             try:
-                print_progress(report, totals, end="\n")
+                print_progress(report, rollout.totals, end="\n")
             except Exception:
                 pass
-    for name, (count, failed) in rewards.items():
+    for name, (count, failed) in rollout.rewards.items():
         print(f"reward {name}: scored {count}, failed {failed}", file=sys.stderr)
+    if rollout.reruns:
+        print(f"stepmill: {rollout.reruns} run(s) ran again after their node's proxy died", file=sys.stderr)
     return report
+
+
+class Rollout:
+    """One Ray rollout's runs: placed, registered, submitted to their nodes, run again where cut, scored."""
+
+    def __init__(self, config: Config, mode: str, fleet, actors: dict, wheres: dict[str, Where], report: Report):
+        import ray
+
+        self.config, self.mode, self.fleet, self.actors, self.wheres, self.report = \
+            config, mode, fleet, actors, wheres, report
+        self.names = list(actors)
+        jobs = plan(config)
+        report.total = len(jobs)
+        ids = [job.trajectory for job in jobs]
+        found = dict(zip(self.names, ray.get([actors[name].statuses.remote(ids) for name in self.names])))
+        self.placed = place(jobs, self.names, found)
+        complete = {t for statuses in found.values() for t, status in statuses.items() if status == "complete"}
+        todo = [job for job in jobs if job.trajectory not in complete]
+        report.skipped = len(jobs) - len(todo)
+        self.by_group: dict[str, list[Job]] = {}
+        for job in jobs:
+            self.by_group.setdefault(job.group, []).append(job)
+        self._register_with_fleet(complete)
+        self.queues = {name: collections.deque(job for job in todo if self.placed[job.group] == name)
+                       for name in self.names}
+        self.secrets: dict[str, str] = {}
+        for name, secrets in zip(self.names, ray.get([actors[name].register.remote(list(self.queues[name]))
+                                                      for name in self.names])):
+            self.secrets.update(secrets)
+        self.specs = []
+        if config.rewards:
+            from stepmill.rewards.scoring import load_config
+
+            self.specs = load_config(config.path, other_sections=True)
+        self.rewards: dict[str, list[int]] = {spec.name: [0, 0] for spec in self.specs}
+        self.left = {group: sum(job.trajectory not in complete for job in members)
+                     for group, members in self.by_group.items()}
+        self.scoring: dict = {}  # score task -> group
+        self.running: dict = {}  # task -> (node, job, slot, the node's proxy generation at the start)
+        per_node = config.run.runs_per_node or config.run.concurrency
+        self.free = {name: list(range(per_node)) for name in self.names}  # user mode: a node's uids in use
+        self.again: set[str] = set()  # runs to register anew before they run again (a new secret)
+        self.attempts: collections.Counter = collections.Counter()
+        self.reruns = 0
+        self.watch = NodeWatch(actors)
+        self.moved: set[str] = set()  # lost nodes whose groups went elsewhere
+        self.task = ray.remote(num_cpus=0, max_retries=0)(run_on_node)
+
+    def _register_with_fleet(self, complete: set[str]) -> None:
+        """The registry first: every run is known on its node before any starts."""
+        if self.fleet is None:
+            return
+        run = self.config.run
+        for group, members in self.by_group.items():
+            self.fleet.register_group(group, len(members), channel=run.channel)
+            for job in members:
+                self.fleet.register_run(job.trajectory, group_id=group, node_id=self.placed[group],
+                                        policy_version=run.policy_version)
+                if job.trajectory in complete:
+                    self.fleet.report(job.trajectory, finished=True, committed=True)
+
+    def go(self, progress: bool) -> None:
+        import ray
+
+        for group, count in self.left.items():
+            if count == 0:  # every run finished earlier: scored again where not yet (scoring skips what it did)
+                self.score(group)
+        self.submit()
+        while self.running or self.scoring or any(self.queues.values()):
+            waiting = [*self.running, *self.scoring]
+            ready = []
+            if waiting:
+                ready, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
+            else:  # runs queued on a node whose proxy is being restarted
+                time.sleep(1.0)
+            self.watch.refresh()
+            self.move_from_lost()
+            for ref in ready:
+                if ref in self.scoring:
+                    self.scored(self.scoring.pop(ref), ray.get(ref))
+                else:
+                    self.finished(ref)
+            self.submit()
+            self.report.running = len(self.running)
+            if progress:
+                print_progress(self.report, self.totals)
+            if not self.running and not self.scoring and not any(self.up_with_work()):
+                self.give_up_waiting()
+
+    def up_with_work(self) -> list[str]:
+        return [name for name in self.names if self.queues[name] and not self.watch.lost().get(name)]
+
+    def give_up_waiting(self) -> None:
+        """Runs queued on nodes that are all lost (no node left to move them to): failed, left open."""
+        for name in self.names:
+            while self.queues[name]:
+                job = self.queues[name].popleft()
+                print(f"stepmill: run {job.trajectory} has no node left to run on; it stays open and runs again "
+                      "when the rollout is resumed", file=sys.stderr, flush=True)
+                self.report.failed += 1
+
+    def submit(self) -> None:
+        """Queued runs onto their nodes' free slots, where the node's proxy is up (a rerun registered anew)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        for name in self.names:
+            while self.free[name] and self.queues[name] and self.watch.up(name):
+                job = self.queues[name][0]
+                if job.trajectory in self.again:
+                    try:  # a fresh secret; what the cut attempt wrote is labelled bad (``register``)
+                        self.secrets.update(ray.get(self.actors[name].register.remote([job]), timeout=60))
+                    except Exception as exc:  # its proxy went down again: the next pass tries again
+                        print(f"stepmill: run {job.trajectory} not registered again on {name} yet: "
+                              f"{str(exc).strip().splitlines()[-1]}", file=sys.stderr, flush=True)
+                        break
+                    self.again.discard(job.trajectory)
+                self.queues[name].popleft()
+                slot = self.free[name].pop(0)
+                ref = self.task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    self.wheres[name].ray_node_id, soft=False)).remote(self.config, self.wheres[name], self.mode,
+                                                                       job, self.secrets[job.trajectory])
+                self.running[ref] = (name, job, slot, self.watch.generation(name))
+
+    def finished(self, ref) -> None:
+        """A run's task ended: counted, run again where its node's proxy died under it, or its group scored."""
+        import ray
+
+        name, job, slot, generation = self.running.pop(ref)
+        self.free[name].append(slot)
+        outcome, lost_how = None, None
+        try:
+            outcome = ray.get(ref)
+        except ray.exceptions.RayError as exc:  # its worker died (memory, a lost node, its proxy gone)
+            lost_how = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+        if self.placed[job.group] != name:  # its group moved off a lost node: it runs there
+            self.requeue(job)
+            return
+        if self.watch.cut(name, generation) or lost_how:
+            self.cut(name, job, lost_how or "its node's proxy died while it ran")
+            return
+        if outcome is None:
+            return
+        self.report.count(outcome)
+        if self.fleet is not None:
+            self.fleet.report(job.trajectory, finished=True, committed=outcome.committed)
+        self.left[job.group] -= 1
+        if self.left[job.group] == 0:
+            self.score(job.group)
+
+    def cut(self, name: str, job: Job, reason: str) -> None:
+        """A run cut under it: again, on its group's node, while ``[run] retries`` allows; else failed and open."""
+        if self.attempts[job.trajectory] >= self.config.run.retries:
+            print(f"stepmill: run {job.trajectory} on {name} was cut ({reason}) {self.attempts[job.trajectory] + 1} "
+                  "time(s); it stays open and runs again when the rollout is resumed", file=sys.stderr, flush=True)
+            self.report.failed += 1
+            return
+        self.attempts[job.trajectory] += 1
+        self.reruns += 1
+        print(f"stepmill: run {job.trajectory} on {name} was cut ({reason}); it runs again "
+              f"(retry {self.attempts[job.trajectory]} of {self.config.run.retries})", file=sys.stderr, flush=True)
+        self.event(name, "rerun", f"retry {self.attempts[job.trajectory]} of {self.config.run.retries}: {reason}",
+                   run_id=job.trajectory)
+        self.requeue(job)
+
+    def requeue(self, job: Job) -> None:
+        self.again.add(job.trajectory)
+        self.queues[self.placed[job.group]].appendleft(job)
+
+    def move_from_lost(self) -> None:
+        """The groups of a lost node that still have runs to make move, whole, to the live node with the
+        fewest runs queued; every run of theirs runs there (the lost node's file keeps what it had)."""
+        for name, why in self.watch.lost().items():
+            if name in self.moved:
+                continue
+            self.moved.add(name)
+            print(f"stepmill: node {name} is lost: {why}", file=sys.stderr, flush=True)
+            live = [other for other in self.names if other not in self.watch.lost()]
+            groups = [g for g, node in self.placed.items() if node == name and self.left[g] > 0]
+            if not live:
+                return
+            for group in groups:
+                target = min(live, key=lambda other: len(self.queues[other]))
+                self.move(group, name, target, why)
+
+    def move(self, group: str, lost: str, target: str, why: str) -> None:
+        running = {job.trajectory for _, job, _, _ in self.running.values()}
+        self.placed[group] = target
+        self.queues[lost] = collections.deque(job for job in self.queues[lost] if job.group != group)
+        members = self.by_group[group]
+        self.left[group] = len(members)
+        if self.fleet is not None:
+            self.fleet.move_group(group, target, f"node {lost} was lost: {why}")
+        for job in members:
+            if job.trajectory not in running:  # those still running are queued there when they end
+                self.requeue(job)
+        print(f"stepmill: group {group} moves from {lost} to {target}", file=sys.stderr, flush=True)
+
+    def event(self, name: str, kind: str, detail: str, run_id: str | None = None) -> None:
+        if self.fleet is None:
+            return
+        try:
+            self.fleet.node_event(name, kind, detail, run_id=run_id)
+        except Exception as exc:  # the record is for people; the rollout goes on without it
+            print(f"stepmill: {name}: event not recorded: {exc}", file=sys.stderr, flush=True)
+
+    def score(self, group: str) -> None:
+        if self.specs:
+            self.scoring[self.actors[self.placed[group]].score.remote(self.specs, group)] = group
+        else:
+            self.scored(group, {})
+
+    def scored(self, group: str, result: dict) -> None:
+        for name, (count, failed) in result.items():
+            self.rewards[name][0] += count
+            self.rewards[name][1] += failed
+        # A reward that failed on a run leaves its group unscored: not ready, so not handed out half-rewarded.
+        if self.fleet is not None and not any(failed for _, failed in result.values()):
+            for job in self.by_group[group]:
+                self.fleet.report(job.trajectory, scored=True)
+
+    def totals(self) -> dict:
+        import ray
+
+        live = [actor for name, actor in self.actors.items() if name not in self.watch.lost()]
+        counts = ray.get([actor.totals.remote(f"{self.config.run.dataset}-") for actor in live], timeout=30)
+        return {key: sum(c[key] for c in counts) for key in ("steps", "output_tokens")}
 
 
 def _cancel(refs: list) -> None:
