@@ -51,17 +51,24 @@ def runner_path(name: str) -> str:
     return path
 
 
-def rollout(name: str, proxy, base_url: str, model: str, marker: str, tmp_path, *, tasks: int, run: str):
-    """The shipped recipe through `stepmill rollout` (n=2 on the first bundled tasks): what the runner
-    printed, the trajectories, and what to read when it fails (the runner's output, the agents' logs)."""
-    bundled = (importlib.resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()
-    (tmp_path / "tasks.jsonl").write_text("\n".join(bundled[:tasks]) + "\n")
+def arithmetic_tasks(count: int) -> list[str]:
+    """The first ``count`` bundled arithmetic tasks, as JSON lines."""
+    return (importlib.resources.files("stepmill") / "data" / "arith20.jsonl").read_text().splitlines()[:count]
+
+
+def rollout(name: str, proxy, base_url: str, model: str, marker: str, tmp_path, *, tasks: list[str], run: str,
+            isolation: str = ""):
+    """The shipped recipe through `stepmill rollout` (n=2 on each of ``tasks``; ``run`` and ``isolation``: more
+    lines of those tables): what the runner printed, the trajectories, and what to read when it fails (the
+    runner's output, the agents' logs)."""
+    (tmp_path / "tasks.jsonl").touch(mode=0o600)  # owner-only, as a runner that is not root asks of a dataset
+    (tmp_path / "tasks.jsonl").write_text("\n".join(tasks) + "\n")
     config = tmp_path / "rollout.toml"
     config.write_text(f'[proxy]\nurl = "{proxy.url}"\ndb = "{proxy.db}"\nconfdir = "{proxy.confdir}"\n\n'
                       f'[route]\nbase_url = "{base_url}"\n\n{recipe(name)}\n'
                       f'[[dataset]]\nname = "{name}-{marker}"\npath = "tasks.jsonl"\n\n'
                       f'[run]\nagent = "{name}"\ndataset = "{name}-{marker}"\nn = 2\nconcurrency = 2\n'
-                      f'model = "{model}"\n{run}\n\n'
+                      f'model = "{model}"\n{run}\n\n[isolation]\n{isolation}\n\n'
                       '[[reward]]\nname = "math"\nfunction = "stepmill.rewards.functions:math_answer"\n')
     done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PATH": runner_path(name)})
@@ -83,7 +90,8 @@ def by_trajectory(steps: list[dict]) -> dict[str, list[dict]]:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", list(INSTALLS))
 def test_framework_recipe_through_the_runner(name, proxy, simulated_llm, marker, tmp_path):
-    done, trajectories, detail = rollout(name, proxy, simulated_llm.url, "qwen-sim", marker, tmp_path, tasks=2,
+    done, trajectories, detail = rollout(name, proxy, simulated_llm.url, "qwen-sim", marker, tmp_path,
+                                         tasks=arithmetic_tasks(2),
                                          run="timeout = 180\nmax_new_tokens = 1234")
     assert "4 runs finished (0 failed, 0 timed out)" in done.stderr, detail
     assert {json.loads(t["metadata"]).get("isolation") for t in trajectories} == {"sandbox"}, detail
@@ -103,6 +111,25 @@ def test_framework_recipe_through_the_runner(name, proxy, simulated_llm, marker,
             assert chain[1]["parent_step_id"] == chain[0]["step_id"], detail
             assert chain[1]["messages"][-1]["role"] == "tool", chain[1]["messages"]
 
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(INSTALLS))
+def test_framework_recipe_trusts_the_proxy_over_https(name, proxy, marker, tmp_path):
+    """Against an HTTPS API (api.openai.com, which the test proxy sends to the local test upstream), the
+    framework's client goes through HTTPS_PROXY and trusts the proxy's CA from the bundle the runner names
+    (SSL_CERT_FILE, NODE_EXTRA_CA_CERTS): otherwise its TLS handshake with the proxy fails and no call is
+    stored. The upstream answers a task that asks for no tools in text, at once."""
+    task = json.dumps({"id": "plain", "prompt": "Reply in words, no tools: what is two and two?", "answer": "4"})
+    done, trajectories, detail = rollout(name, proxy, "https://api.openai.com/v1", "gpt-4o-mini", marker, tmp_path,
+                                         tasks=[task], run="timeout = 180\nmax_new_tokens = 100",
+                                         # where the test proxy really sends api.openai.com's calls
+                                         isolation=f'allow_hosts = ["127.0.0.1:{proxy.upstream.port}"]')
+    assert "2 runs finished (0 failed, 0 timed out)" in done.stderr, detail
+    steps = proxy.steps("s.trajectory_id LIKE ?", [f"{name}-{marker}-%"], count=2)
+    assert len(by_trajectory(steps)) == 2, detail
+    assert {(s["api"], s["status"], s["host"]) for s in steps} == {("openai.chat", "ok", "api.openai.com")}, detail
+    assert all("The tool said" not in json.dumps(s["completion"]) for s in steps)
 
 # --- the TypeScript examples' calculator (shared.mjs parses arithmetic itself) -------------------------------
 
@@ -145,7 +172,8 @@ def test_the_typescript_calculator_agrees_with_the_tool_loop(expressions):
 def test_framework_recipe_against_the_real_vllm(name, engine_proxy, vllm, marker, tmp_path):  # noqa: F811
     """Each recipe as shipped against the real vLLM (random weights: it rarely calls the tool, and its
     answers are noise), every call stored with the ids vLLM sampled. Calls kept short: 64 new tokens."""
-    done, trajectories, detail = rollout(name, engine_proxy, vllm.url, vllm.model, marker, tmp_path, tasks=1,
+    done, trajectories, detail = rollout(name, engine_proxy, vllm.url, vllm.model, marker, tmp_path,
+                                         tasks=arithmetic_tasks(1),
                                          run="timeout = 240\nmax_new_tokens = 64")
     assert "2 runs finished (0 failed, 0 timed out)" in done.stderr, detail
     assert {json.loads(t["metadata"]).get("isolation") for t in trajectories} == {"sandbox"}, detail
