@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from stepmill.agents.tool_loop import run_tool
 
 from .conftest import STEPMILL
+from .real_engine import missing
 from .test_real_vllm import engine_proxy  # noqa: F401  (the real vLLM behind the real proxy, a fixture)
 
 EXAMPLES = Path(__file__).parent.parent / "stepmill" / "agents" / "frameworks"
@@ -42,11 +43,12 @@ def recipe(name: str) -> str:
 
 
 def runner_path(name: str) -> str:
-    """The runner's PATH: the framework's install first; the test skips where it is not installed."""
+    """The runner's PATH: the framework's install first; the test skips where it is not installed (and
+    fails in CI, which installs it)."""
     folder, program = INSTALLS[name]
     path = os.pathsep.join([str(FRAMEWORKS / folder), os.environ.get("PATH", os.defpath)])
     if not (FRAMEWORKS / folder / program).exists():
-        pytest.skip(f"{name} is not installed (.ci/install-frameworks installs it into {FRAMEWORKS / folder})")
+        missing(f"{name} is not installed (.ci/install-frameworks installs it into {FRAMEWORKS / folder})")
     assert shutil.which(program, path=path) == str(FRAMEWORKS / folder / program)
     return path
 
