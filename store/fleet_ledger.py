@@ -413,6 +413,15 @@ class Coordinator:
             return sorted(runs)
         return self._run(work)
 
+    def unconsumed(self, node_ids: list[str]) -> int:
+        """How many groups with runs on these nodes are still to be consumed: waiting, ready or leased
+        (acknowledged and stale groups are done with: a stale one is never handed out)."""
+        for node_id in node_ids:
+            _id(node_id, "a node id")
+        return self._run(lambda cur: cur.execute(
+            "SELECT count(DISTINCT g.id) AS n FROM stepmill.groups g JOIN stepmill.runs r ON r.group_id = g.id"
+            " WHERE r.node_id = ANY(%s) AND g.state IN ('open', 'leased')", [list(node_ids)]).fetchone()["n"])
+
     def runs_to_report(self, node_id: str) -> list[str]:
         """Ids of the node's runs not yet reported finished, committed and scored (what a node still has to
         say about its file)."""

@@ -9,9 +9,13 @@ second group is in flight: that is when the node's proxy is killed.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import socket
 import subprocess
+import threading
+import time
 from collections import Counter
 
 import pytest
@@ -58,15 +62,67 @@ def _first_group_done_second_in_flight(path: str, marker: str) -> bool:
 
 
 def _gated_rows(files: dict[str, str]) -> tuple[int, Counter]:
-    """Gated steps with token ids over the nodes' files, and gated steps per trajectory."""
+    """Gated steps with token ids over the nodes' files, and gated steps per (node, trajectory)."""
     with_ids, per_run = 0, Counter()
-    for path in files.values():
+    for name, path in files.items():
         store = Store(path, readonly=True)
         for step in store.iter_steps(gate=True):
             with_ids += step["response_ids"] is not None
-            per_run[step["trajectory_id"]] += 1
+            per_run[name, step["trajectory_id"]] += 1
         store.close()
     return with_ids, per_run
+
+
+def _hold_port(port: int, timeout: float = 10.0) -> socket.socket:
+    """A listening socket on the port a killed proxy had: its restarts cannot bind there. It closes every
+    connection at once, as a port nobody serves would refuse it (a run's last call fails, it does not hang)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        holder = socket.socket()
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            holder.bind(("127.0.0.1", port))
+            holder.listen()
+            break
+        except OSError:
+            holder.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+    def refuse():
+        while True:
+            try:
+                holder.accept()[0].close()
+            except OSError:  # the holder closed: the test is over
+                return
+
+    threading.Thread(target=refuse, daemon=True).start()
+    return holder
+
+
+def _start_rollout(tmp_path, llm_url: str, marker: str, url: str, ray_cluster):
+    """The rollout of 8 runs started: (its configuration, its log, its process)."""
+    config = _config(tmp_path, llm_url, marker, url, ray_cluster, command=_agent(marker))
+    log = tmp_path / "rollout.log"
+    with log.open("wb") as out:  # a file, not a pipe: nothing the runner prints can block it
+        return config, log, subprocess.Popen(STEPMILL + ["rollout", str(config), "--no-progress"], stderr=out)
+
+
+def _kill_a_proxy_mid_rollout(rollout, log, marker: str) -> tuple[str, str, str, int]:
+    """Once a node's first group is done and its second in flight, its proxy killed with SIGKILL:
+    (node, its proxy's port, its file, the pid killed)."""
+    wait_until(lambda: rollout.poll() is not None or len(re.findall(r": proxy http://", log.read_text())) == 2,
+               timeout=300, interval=0.5, what="both nodes up")
+    node, port, db = re.findall(r"stepmill: (node-\S+): proxy http://127\.0\.0\.1:(\d+), serve \S+, steps in (\S+)",
+                                log.read_text())[0]
+    wait_until(lambda: rollout.poll() is not None or _first_group_done_second_in_flight(db, marker),
+               timeout=300, interval=0.2, what=f"a group finished on {node}, the next in flight")
+    assert rollout.poll() is None, log.read_text()
+    assert _complete(db, marker) < 4, "the node's runs were all done before its proxy could be killed"
+    doomed = _proxy_pid(port)
+    os.kill(doomed, signal.SIGKILL)
+    return node, port, db, doomed
 
 
 @pytest.mark.timeout(900)
@@ -74,22 +130,9 @@ def test_a_killed_node_proxy_is_restarted_and_its_runs_run_again(ray_cluster, ur
                                                                  tmp_path):
     from stepmill.store.fleet_ledger import Coordinator
 
-    config = _config(tmp_path, simulated_llm.url, marker, url, ray_cluster, command=_agent(marker))
-    log = tmp_path / "rollout.log"
-    with log.open("wb") as out:  # a file, not a pipe: nothing the runner prints can block it
-        rollout = subprocess.Popen(STEPMILL + ["rollout", str(config), "--no-progress"], stderr=out)
+    config, log, rollout = _start_rollout(tmp_path, simulated_llm.url, marker, url, ray_cluster)
     try:
-        wait_until(lambda: rollout.poll() is not None or len(re.findall(r": proxy http://", log.read_text())) == 2,
-                   timeout=300, interval=0.5, what="both nodes up")
-        node, port, db = re.findall(r"stepmill: (node-\S+): proxy http://127\.0\.0\.1:(\d+), serve \S+, steps in (\S+)",
-                                    log.read_text())[0]
-        # The premise: the node's first group done, its second group in flight.
-        wait_until(lambda: rollout.poll() is not None or _first_group_done_second_in_flight(db, marker),
-                   timeout=300, interval=0.2, what=f"a group finished on {node}, the next in flight")
-        assert rollout.poll() is None, log.read_text()
-        assert _complete(db, marker) < 4, "the node's runs were all done before its proxy could be killed"
-        doomed = _proxy_pid(port)
-        subprocess.run(["kill", "-9", str(doomed)], check=True)
+        node, _, _, _ = _kill_a_proxy_mid_rollout(rollout, log, marker)
         assert rollout.wait(timeout=600) == 0, log.read_text()
     finally:
         if rollout.poll() is None:
@@ -113,22 +156,88 @@ def test_a_killed_node_proxy_is_restarted_and_its_runs_run_again(ray_cluster, ur
 
     # Trainers consume every group: once each, every row once. A rerun's cut attempt is labelled bad,
     # so a rerun trajectory has as many gated steps as its group mate (the simulated LLM answers alike).
+    # The nodes' files are served again by `stepmill fleet serve` (ids and URLs from the coordinator),
+    # which stops by itself once every group is consumed.
     token = (tmp_path / "mitm" / "stepmill-token").read_text().strip()
-    serves = [start_serve(name, path, tmp_path / "mitm", url, tmp_path)[0] for name, path in files.items()]
+    serving_log = tmp_path / "fleet-serve.log"
+    serving = subprocess.Popen(STEPMILL + ["fleet", "serve", str(config), "--until-consumed"],
+                               stderr=serving_log.open("wb"))
     try:
+        wait_until(lambda: serving.poll() is not None or serving_log.read_text().count(" at http://") == 2,
+                   timeout=120, interval=0.5, what="stepmill fleet serve serving both nodes")
+        assert serving.poll() is None, serving_log.read_text()
+        assert set(re.findall(r"node (\S+) at http://", serving_log.read_text())) == set(files)
         groups = {row["group_id"] for path in files.values() for row in _trajectories(path, marker).values()}
         out = tmp_path / "consumers.jsonl"
         trainer = start_consumer(url, "trainer", {name: token for name in files}, out, lease=30, expect=len(groups))
         assert trainer.wait(300) == 0, (tmp_path / "trainer.err").read_text()
+        assert serving.wait(60) == 0 and "is consumed" in serving_log.read_text(), serving_log.read_text()
+    finally:
+        if serving.poll() is None:
+            serving.kill()
+    acked = [e for e in events(out) if e["event"] == "acked"]
+    assert Counter(e["group"] for e in acked) == Counter(groups)
+    with Coordinator(url) as fleet:
+        assert acks_by_group(fleet, groups) == Counter(groups)
+    with_ids, per_run = _gated_rows(files)
+    assert sum(e["rows"] for e in acked) == with_ids > 0
+    for run in reruns:
+        mate = run[:-1] + ("1" if run.endswith("0") else "0")
+        assert per_run[node, run] == per_run[node, mate] > 0, (run, per_run)
+    assert not _left_behind(str(tmp_path / "nodes")), "stepmill fleet serve left a serve running"
+
+
+@pytest.mark.timeout(900)
+def test_a_node_whose_proxy_cannot_come_back_is_lost_and_its_groups_move(ray_cluster, url, simulated_llm, marker,
+                                                                         tmp_path):
+    from stepmill.store.fleet_ledger import Coordinator
+
+    _, log, rollout = _start_rollout(tmp_path, simulated_llm.url, marker, url, ray_cluster)
+    holder = None
+    try:
+        node, port, db, _ = _kill_a_proxy_mid_rollout(rollout, log, marker)
+        holder = _hold_port(int(port))  # every restart of the proxy fails to listen
+        assert rollout.wait(timeout=600) == 0, log.read_text()
+    finally:
+        if rollout.poll() is None:
+            rollout.kill()
+        if holder is not None:
+            holder.shutdown(socket.SHUT_RDWR)  # wakes its accept: the port is free again
+            holder.close()
+    stderr = log.read_text()
+    assert f"{RUNS} runs finished (0 failed, 0 timed out), 0 done earlier, of {RUNS}" in stderr, stderr
+    assert f"node {node}: proxy lost: its proxy died and did not come back after 3 starts" in stderr, stderr
+    moved = re.findall(rf"group (\S+) moves from {re.escape(node)} to (\S+)", stderr)
+    assert moved and all(target != node for _, target in moved), stderr
+
+    files = _files(tmp_path)
+    with Coordinator(url) as fleet:
+        lost = {n["id"]: n["lost"] for n in fleet.nodes()}
+        assert lost[node] and "did not come back" in lost[node]
+        for group, target in moved:  # the coordinator places the group's runs where they ran again
+            runs = fleet.group(group)["runs"]
+            assert {run["node_id"] for run in runs.values()} == {target} and fleet.group(group)["ready"]
+            there = _trajectories(files[target], marker)
+            assert all(there[run]["status"] == "complete" for run in runs)
+        assert fleet.counts()["ready"] == 4
+    shown = subprocess.run(STEPMILL + ["fleet", "--coordinator", url], capture_output=True, text=True, timeout=60)
+    assert "LOST: its proxy died" in shown.stdout and "proxy lost" in shown.stdout, shown.stdout
+    assert all(f"moved: group {group} (2 runs) moved here" in shown.stdout for group, _ in moved), shown.stdout
+
+    # Trainers consume every group once, each from the node the coordinator names; the moved groups'
+    # first attempts in the lost node's file are set aside: no reader of that file trains on them.
+    token = (tmp_path / "mitm" / "stepmill-token").read_text().strip()
+    serves = [start_serve(name, path, tmp_path / "mitm", url, tmp_path)[0] for name, path in files.items()]
+    try:
+        out = tmp_path / "consumers.jsonl"
+        trainer = start_consumer(url, "trainer", {name: token for name in files}, out, lease=30, expect=4)
+        assert trainer.wait(300) == 0, (tmp_path / "trainer.err").read_text()
         acked = [e for e in events(out) if e["event"] == "acked"]
-        assert Counter(e["group"] for e in acked) == Counter(groups)
-        with Coordinator(url) as fleet:
-            assert acks_by_group(fleet, groups) == Counter(groups)
+        assert sorted(Counter(e["group"] for e in acked).values()) == [1, 1, 1, 1]
         with_ids, per_run = _gated_rows(files)
         assert sum(e["rows"] for e in acked) == with_ids > 0
-        for run in reruns:
-            mate = run[:-1] + ("1" if run.endswith("0") else "0")
-            assert per_run[run] == per_run[mate] > 0, (run, per_run)
+        left_on_lost = [run for run, row in _trajectories(db, marker).items() if row["group_id"] in dict(moved)]
+        assert left_on_lost and not any((node, run) in per_run for run in left_on_lost), per_run
     finally:
         for serve in serves:
             serve.send_signal(signal.SIGTERM)

@@ -4,6 +4,7 @@ proxy), groups by state, lost groups, and what happened on the nodes (restarts, 
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -25,15 +26,19 @@ def serve_answers(url: str) -> bool:
         return False
 
 
-@click.command()
+@click.group(invoke_without_command=True)
 @coordinator_option
 @click.option("--policy-version", "new_version", help="Set the fleet's policy version first.")
 @click.option("--events", "event_count", default=EVENTS_SHOWN, show_default=True,
               help="How many of the latest node events (restarts, runs run again) to show.")
 @json_option
-def fleet(coordinator, new_version, event_count, as_json):
+@click.pass_context
+def fleet(context, coordinator, new_version, event_count, as_json):
     """Nodes (heartbeat, serve answering now, lost), groups by state, the groups a silent node holds (they
-    are not handed out), and the latest node events."""
+    are not handed out), and the latest node events. `stepmill fleet serve ROLLOUT.toml` serves a Ray
+    rollout's node files after it."""
+    if context.invoked_subcommand is not None:
+        return
     from stepmill.store.fleet_ledger import Coordinator
 
     with Coordinator(coordinator) as board:
@@ -63,6 +68,33 @@ def fleet(coordinator, new_version, event_count, as_json):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(event["at"]))
         run = f" run {event['run_id']}" if event["run_id"] else ""
         click.echo(f"event {when} node {event['node_id']}: {event['kind'].replace('_', ' ')}{run}: {event['detail']}")
+
+
+@fleet.command("serve")
+@click.argument("config_path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--until-consumed", is_flag=True,
+              help="Stop once no group with runs on these nodes is waiting, ready or leased (default: Ctrl-C).")
+def serve_nodes(config_path, until_consumed):
+    """Serve again, for trainers, every node file of the Ray rollout's [run] node_dir on this machine: each as
+    the node the coordinator knows (its id, its serve URL), restarted where it dies."""
+    from stepmill.cli.options import stop_on_signals
+    from stepmill.errors import ConfigError
+    from stepmill.fleet.keep_serving import keep_serving
+    from stepmill.runner.config import load
+    from stepmill.store.fleet_ledger import ENV, Coordinator
+
+    config = load(config_path)
+    coordinator = config.run.coordinator or os.environ.get(ENV)
+    if config.run.executor != "ray" or not coordinator:
+        raise ConfigError(f"{config_path}: stepmill fleet serve serves a Ray rollout's node files: it needs "
+                          'executor = "ray" and a coordinator ([run] coordinator or STEPMILL_COORDINATOR)')
+    confdir = os.path.expanduser(config.proxy.get("confdir", "~/.mitmproxy"))
+    stop_on_signals()
+    with Coordinator(coordinator) as board:
+        served = keep_serving(board, coordinator, config.run.node_dir, confdir, until_consumed=until_consumed,
+                              say=lambda line: click.echo(line, err=True))
+    if not served:
+        raise ConfigError(f"no node file of the coordinator's nodes in {config.run.node_dir}")
 
 
 COMMANDS = [fleet]

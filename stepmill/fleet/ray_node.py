@@ -7,10 +7,17 @@ local filesystem (NFS and other network filesystems break its shared-memory lock
 serve` on the same file for trainers, registers and scores the runs placed on it, and stops both when
 the rollout ends. ``run_on_node`` is a run's Ray task: the same code as a local run (``agent_run.py``),
 against the node's proxy, in a run folder of the node's.
+
+Supervision. A thread of the actor watches both processes: one that exits is started again with the
+same command (same ports, same file: the runs' tasks keep their addresses; the runs' secrets and the
+policy version are in the file). A proxy's death bumps ``generation`` (the runner reruns the runs it
+cut); a proxy that does not answer after ``RESTART_TRIES`` starts leaves the node ``lost``. Each is a
+node event in the coordinator. The serve's log is ``<node_dir>/<node>.serve.log``.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import subprocess
@@ -113,7 +120,7 @@ class Node:
                                         "--port", str(port), "--confdir", self.proxy.confdir],
                                        stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         url = f"http://{host}:{port}"
-        _wait_up(lambda: urllib.request.urlopen(f"{url}/v1/health", timeout=5).close(), process,
+        wait_up(lambda: urllib.request.urlopen(f"{url}/v1/health", timeout=5).close(), process,
                  f"stepmill serve on node {self.name}", log)
         return url, process
 
@@ -138,13 +145,16 @@ class Node:
         died = self.proxy.process
         self._event("proxy_died", f"exit {died.returncode}; the runs in flight on it are cut and run again")
         reason = ""
+        # A short wait per probe: something else listening on the port (it was taken) never answers.
+        probe = copy.copy(self.proxy.client)
+        probe.timeout = 5
         for attempt in range(1, RESTART_TRIES + 1):
             time.sleep(attempt - 1)  # a port the dead process held may take a moment to be free
             try:
                 self.proxy.process = self._respawn(died.args, Path(self.proxy.log))
                 if self.proxy.process is None:
                     return  # the node is stopping
-                _wait_up(self.proxy.client.health, self.proxy.process, f"the proxy of node {self.name}",
+                wait_up(probe.health, self.proxy.process, f"the proxy of node {self.name}",
                          self.proxy.log)
                 self._event("proxy_restarted", f"pid {self.proxy.process.pid}, attempt {attempt} of "
                                                f"{RESTART_TRIES}, at {self.proxy.url} on {self.proxy.db}")
@@ -206,7 +216,8 @@ class Node:
         store = Store(self.proxy.db, readonly=True)
         try:
             found = {t: store.trajectory(t) for t in trajectories}
-            return {t: row["status"] for t, row in found.items() if row}
+            # A run set aside here (its group moved off this node when it was lost) is another node's now.
+            return {t: row["status"] for t, row in found.items() if row and not (row["metadata"] or {}).get("moved_to")}
         finally:
             store.close()
 
@@ -229,6 +240,23 @@ class Node:
         try:
             reports = score(store, specs, group_id=group, progress=False)
             return {name: (r.scored, r.failed) for name, r in reports.items()}
+        finally:
+            store.close()
+
+    def set_aside(self, trajectories: list[str], target: str, why: str) -> int:
+        """Runs whose group moved to ``target`` (this node was lost): labelled bad in this file, so the gate
+        keeps them out of every reader of it (Ray Data, a serve), and marked moved, so a resumed rollout
+        places them on ``target``, where the coordinator has them."""
+        from stepmill.store import Store
+
+        store = Store(self.proxy.db)
+        try:
+            present = [t for t in trajectories if store.trajectory(t) is not None]
+            for trajectory in present:
+                store.update_trajectory(trajectory, metadata={"moved_to": target})
+                store.add_review(trajectory, "label", "bad", reviewer="stepmill-rollout")
+                store.add_review(trajectory, "note", why, reviewer="stepmill-rollout")
+            return len(present)
         finally:
             store.close()
 
@@ -255,16 +283,18 @@ class Node:
             self._fleet.close()
 
 
-def _wait_up(answers, process: subprocess.Popen, what: str, log, timeout: float = 60) -> None:
+def wait_up(answers, process: subprocess.Popen, what: str, log, timeout: float = 60) -> None:
     """Until ``answers()`` stops raising OSError; the process killed and RuntimeError when it exits or
     the timeout passes."""
     deadline = time.time() + timeout
     while True:
+        if process.poll() is not None:  # whatever answers on its port now is not it
+            raise RuntimeError(f"{what} exited with {process.returncode} (its log: {log})")
         try:
             answers()
             return
         except OSError:
-            if process.poll() is not None or time.time() > deadline:
+            if time.time() > deadline:
                 process.kill()
                 raise RuntimeError(f"{what} does not answer (its log: {log})") from None
             time.sleep(0.2)

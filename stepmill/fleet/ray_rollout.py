@@ -19,6 +19,15 @@ node id's first 8 characters added where several Ray nodes share an address (a l
 Resume. A run whose trajectory is complete in a node's file is not run again. Scoring runs on each
 node against its file (the node actor), group by group as soon as a group's runs have all finished.
 
+Healing. Each node's actor restarts its proxy (and serve) where it dies, same ports and file
+(``ray_node.py``). ``NodeWatch`` asks every node each pass whether its proxy is up and in which
+generation (how often it died): a run that ends after its node's proxy died under it, or whose task
+was lost, is cut, and runs again on its node once the proxy answers — registered anew, so what the cut
+attempt wrote is labelled bad — at most ``run.retries`` times. A node whose proxy cannot come back is
+lost: its groups with runs still to make move whole to the live node with the fewest runs queued, the
+coordinator re-places their runs there (``move_group``), and the lost file's copies are set aside.
+Each restart, rerun and move is a node event in the coordinator.
+
 Coordinator. With ``run.coordinator`` or ``$STEPMILL_COORDINATOR``, each node registers itself (its
 serve URL) and heartbeats while the rollout runs; the runner registers each group (its size, n) and
 each run (on its node) before any run starts, and reports each run finished and committed (the proxy
@@ -382,6 +391,8 @@ class Rollout:
                 self.move(group, name, target, why)
 
     def move(self, group: str, lost: str, target: str, why: str) -> None:
+        import ray
+
         running = {job.trajectory for _, job, _, _ in self.running.values()}
         self.placed[group] = target
         self.queues[lost] = collections.deque(job for job in self.queues[lost] if job.group != group)
@@ -389,6 +400,12 @@ class Rollout:
         self.left[group] = len(members)
         if self.fleet is not None:
             self.fleet.move_group(group, target, f"node {lost} was lost: {why}")
+        try:  # what the lost node's file holds of the group is kept out of its readers
+            ray.get(self.actors[lost].set_aside.remote([job.trajectory for job in members], target,
+                                                       f"its group moved to {target}: {lost} was lost"), timeout=60)
+        except Exception as exc:  # its actor is gone with its Ray node: nothing reads that file through it
+            print(f"stepmill: {lost}: group {group} not set aside there: {type(exc).__name__}", file=sys.stderr,
+                  flush=True)
         for job in members:
             if job.trajectory not in running:  # those still running are queued there when they end
                 self.requeue(job)
