@@ -21,16 +21,17 @@ ROOT = Path(__file__).parent.parent
 # Where .ci/install-agents puts the CLIs: put before the runner's PATH, as a user's install would be on theirs.
 AGENT_BINS = [ROOT / ".agents" / "node_modules" / ".bin", ROOT / ".agents" / "mini" / "bin", ROOT / ".agents" / "aider" / "bin"]
 PROGRAMS = {"claude-code": "claude", "codex": "codex", "mini-swe-agent": "mini", "qwen-code": "qwen",
-            "opencode": "opencode", "aider": "aider", "gemini-cli": "gemini", "kilo-code": "kilo"}
+            "opencode": "opencode", "aider": "aider", "gemini-cli": "gemini", "kilo-code": "kilo",
+            "cline": "cline"}
 # What each step records: the protocol the agent spoke. The simulated LLM is an engine (it says so in
 # /v1/models), so Claude Code's Messages calls and Gemini CLI's generateContent calls are served through its
 # chat completions, for exact ids: their steps' engine_api is openai.chat (ENGINE_APIS).
 APIS = {"claude-code": "anthropic.messages", "codex": "openai.responses", "mini-swe-agent": "openai.chat",
         "qwen-code": "openai.chat", "opencode": "openai.chat", "aider": "openai.chat",
-        "gemini-cli": "gemini.generate", "kilo-code": "openai.chat"}
+        "gemini-cli": "gemini.generate", "kilo-code": "openai.chat", "cline": "openai.chat"}
 ENGINE_APIS = {"claude-code": "openai.chat", "gemini-cli": "openai.chat"}
 CAP = 1234  # the rollout's [run] max_new_tokens: the output cap each recipe hands its CLI
-UNCAPPED = {"codex"}  # no setting for it: its calls name no cap, the engine's default applies
+UNCAPPED = {"codex", "cline"}  # no setting for it: its calls name no cap, the engine's default applies
 
 
 def asked_caps(steps: list[dict]) -> set:

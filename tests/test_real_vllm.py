@@ -463,7 +463,7 @@ SHORT_CALLS = 64
 
 
 @pytest.mark.parametrize("name", ["mini-swe-agent", "codex", "claude-code", "qwen-code", "opencode", "aider", "gemini-cli",
-                                  "kilo-code"])
+                                  "kilo-code", "cline"])
 def test_recipe_against_the_real_vllm(name, engine_proxy, vllm, marker, tmp_path):
     from .test_agent_recipes import APIS, ENGINE_APIS, asked_caps, caps_wanted, run_recipe
 
