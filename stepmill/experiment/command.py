@@ -37,9 +37,10 @@ def _start_engine(folder: Path):
                       timeout=900)
 
 
-def _reproduce(path: str, folder: Path, cell: Cell, seed: int) -> str:
-    return (f"stepmill experiment {shlex.quote(path)} --folder {shlex.quote(str(folder))} "
-            f"--cell {cell.name} --seed {seed} --again")
+def _reproduce(path: str, folder: str | None, cell: Cell, seed: int) -> str:
+    """The command that runs this cell and seed again, with the file and folder as they were given."""
+    where = f" --folder {shlex.quote(folder)}" if folder else ""
+    return f"stepmill experiment {shlex.quote(path)}{where} --cell {cell.name} --seed {seed} --again"
 
 
 def _summary(result: dict) -> str:
@@ -67,7 +68,7 @@ def experiment(experiments_path, folder, cells, seeds, again, stop_after, list_o
     and the factors varied around it (dataset, method, runtime), over the seeds. Finished runs are kept
     and skipped; the report (report.md, plots/) is rewritten after each run."""
     spec = load(experiments_path)
-    folder = Path(folder or spec.name).resolve()
+    given, folder = folder, Path(folder or spec.name).resolve()
     order = [cell.name for cell in spec.cells()]
     chosen = _chosen(spec, cells, seeds)
     if list_only:
@@ -79,12 +80,12 @@ def experiment(experiments_path, folder, cells, seeds, again, stop_after, list_o
     todo = [] if report_only else [(c, s) for c, s in chosen if again or not finished(folder, c, s)]
     click.echo(f"{spec.name}: {done} of {len(chosen)} runs finished, {len(todo)} to run ({folder})", err=True)
     if todo:
-        _run(spec, folder, todo, experiments_path, stop_after)
+        _run(spec, folder, todo, stop_after, lambda c, s: _reproduce(experiments_path, given, c, s))
     report = write_report(folder, order=order, title=spec.name)
     click.echo(str(report))
 
 
-def _run(spec: Experiment, folder: Path, todo: list[tuple[Cell, int]], path: str, stop_after: float | None) -> None:
+def _run(spec: Experiment, folder: Path, todo: list[tuple[Cell, int]], stop_after: float | None, reproduce) -> None:
     from stepmill.private_files import private_dir
 
     private_dir(folder)
@@ -96,7 +97,7 @@ def _run(spec: Experiment, folder: Path, todo: list[tuple[Cell, int]], path: str
                 click.echo(f"stopping after {stop_after:g} minutes: the rest runs next time", err=True)
                 return
             click.echo(f"{cell.name} seed {seed}: running", err=True)
-            result = run_cell(folder, spec, cell, seed, server, command=_reproduce(path, folder, cell, seed))
+            result = run_cell(folder, spec, cell, seed, server, command=reproduce(cell, seed))
             click.echo(f"{cell.name} seed {seed}: {_summary(result)}", err=True)
             write_report(folder, order=[c.name for c in spec.cells()], title=spec.name)
     finally:
