@@ -267,6 +267,8 @@ def test_ctrl_c_stops_every_node_and_resume_runs_what_is_missing(ray_cluster, ur
     ('runs_per_node = 2', "", ':{line}: run.runs_per_node: applies to executor = "ray" only'),
     ('executor = "ray"\nruns_per_node = 0', "", ":{line}: run.runs_per_node: a positive integer is required"),
     ('executor = "ray"\ncoordinator = "mysql://x"', "", ":{line}: run.coordinator: a postgresql:// URL is required"),
+    ('executor = "ray"\nretries = -1', "", ":{line}: run.retries: a whole number, 0 or more, is required"),
+    ('retries = 2', "", ':{line}: run.retries: applies to executor = "ray" only'),
     ('executor = "ray"', '[proxy]\nurl = "http://127.0.0.1:8080"\n',
      ':{line}: proxy.url: executor = "ray" starts a proxy on each node'),
 ])
