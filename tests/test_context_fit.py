@@ -15,30 +15,37 @@ from .conftest import STEPMILL
 MAX_MODEL_LEN = 32768  # what the simulated LLM says, as the tiny Qwen2 on vLLM does
 
 
-def _config(tmp_path, base_url: str, prompt_tokens: int, max_new_tokens: int | None):
+TOOL_LOOP = '["{python}", "-m", "stepmill.agents.tool_loop", "--model", "{model}"]'
+
+
+def _config(tmp_path, base_url: str, prompt_tokens: int, max_new_tokens: int | None, *, command: str = TOOL_LOOP,
+            env: str = "{}", proxy=None, dataset: str = "fit", n: int = 1):
+    """A rollout of one agent (``command``, ``env``: TOML) on one task; its own database, or ``proxy``'s."""
     (tmp_path / "tasks.jsonl").write_text('{"id": "t1", "prompt": "What is 2 + 2?", "answer": "4"}\n')
+    db, confdir = (proxy.db, proxy.confdir) if proxy else (tmp_path / "steps.db", tmp_path / "mitm")
+    where = (f'url = "{proxy.url}"\n' if proxy else "") + f'db = "{db}"\nconfdir = "{confdir}"'
     config = tmp_path / "rollout.toml"
     config.write_text(f"""
 [proxy]
-db = "{tmp_path / 'steps.db'}"
-confdir = "{tmp_path / 'mitm'}"
+{where}
 
 [route]
 base_url = "{base_url}"
 
 [[agent]]
 name = "big-prompt"
-command = ["{{python}}", "-m", "stepmill.agents.tool_loop", "--model", "{{model}}"]
+command = {command}
+env = {env}
 prompt_tokens = {prompt_tokens}
 
 [[dataset]]
-name = "fit"
+name = "{dataset}"
 path = "tasks.jsonl"
 
 [run]
 agent = "big-prompt"
-dataset = "fit"
-n = 1
+dataset = "{dataset}"
+n = {n}
 model = "qwen-sim"
 {f"max_new_tokens = {max_new_tokens}" if max_new_tokens else ""}
 """)
@@ -99,33 +106,8 @@ def test_what_a_call_may_add_fits_the_context_wherever_the_opening_prompt_does(s
 def _capped_run(tmp_path, proxy, base_url: str, marker: str) -> list[str]:
     """A rollout of an agent that prints its {max_new_tokens}, from its command and its environment; what
     each run printed."""
-    (tmp_path / "tasks.jsonl").write_text('{"id": "t1", "prompt": "What is 2 + 2?", "answer": "4"}\n')
-    config = tmp_path / "rollout.toml"
-    config.write_text(f"""
-[proxy]
-url = "{proxy.url}"
-db = "{proxy.db}"
-confdir = "{proxy.confdir}"
-
-[route]
-base_url = "{base_url}"
-
-[[agent]]
-name = "capped"
-command = ["sh", "-c", "echo cap=$0 env=$CAP", "{{max_new_tokens}}"]
-env = {{ CAP = "{{max_new_tokens}}" }}
-prompt_tokens = 30000
-
-[[dataset]]
-name = "cap-{marker}"
-path = "tasks.jsonl"
-
-[run]
-agent = "capped"
-dataset = "cap-{marker}"
-n = 2
-model = "qwen-sim"
-""")
+    config = _config(tmp_path, base_url, 30000, None, command='["sh", "-c", "echo cap=$0 env=$CAP", "{max_new_tokens}"]',
+                     env='{ CAP = "{max_new_tokens}" }', proxy=proxy, dataset=f"cap-{marker}", n=2)
     done = subprocess.run(STEPMILL + ["rollout", str(config), "--no-progress"], capture_output=True, text=True,
                           timeout=120)
     assert "2 runs finished (0 failed, 0 timed out)" in done.stderr, done.stderr
