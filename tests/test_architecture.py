@@ -35,6 +35,7 @@ ROOMS = {
     "proxy": ("stepmill.proxy_master", "stepmill.proxy_supervisor", "stepmill.proxy_onboarding"),
     "train": ("stepmill.train",),
     "demo": ("stepmill.demo",),
+    "experiment": ("stepmill.experiment",),
     "cli": ("stepmill.cli",),
 }
 # Room -> the rooms it may import besides itself and the foundation. Nothing upward.
@@ -55,7 +56,9 @@ MAY_IMPORT = {
     "simulated_llm": {"agents"},
     "proxy": {"addon", "pipeline"},
     "train": {"store", "bridge", "rewards", "runner", "client", "fleet"},  # torch only here
-    "demo": set(ROOMS) - {"cli", "demo"},
+    "demo": set(ROOMS) - {"cli", "demo", "experiment"},
+    # Matrices of the demo's closed loop: what the demo may use, and the demo.
+    "experiment": set(ROOMS) - {"cli", "experiment"},
     "cli": set(ROOMS) - {"cli"},
 }
 
@@ -149,10 +152,10 @@ def reachable(room: str) -> set[str]:
 def test_the_fleet_stands_on_the_store_and_the_runner_never_the_reverse():
     """The table says so, and so do the imports themselves (every one, those inside functions too)."""
     assert {"store", "runner"} <= MAY_IMPORT["fleet"]
-    assert [room for room in ROOMS if "fleet" in reachable(room)] == ["train", "demo", "cli"]
+    assert [room for room in ROOMS if "fleet" in reachable(room)] == ["train", "demo", "experiment", "cli"]
     graph = import_graph()
     into_fleet = sorted(f"{module} imports {target}" for module, targets in graph.items() for target in targets
-                        if room_of(target) == "fleet" and room_of(module) not in ("fleet", "train", "demo", "cli"))
+                        if room_of(target) == "fleet" and room_of(module) not in ("fleet", "train", "demo", "experiment", "cli"))
     assert not into_fleet, "imports of the fleet from below it:\n" + "\n".join(into_fleet)
     fleet_uses = {room_of(target) for module, targets in graph.items() if room_of(module) == "fleet" for target in targets}
     assert "store" in fleet_uses  # the ledger and the steps: the fleet stands on the store
