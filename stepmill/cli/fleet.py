@@ -1,5 +1,6 @@
 """The fleet's state from its coordinator: nodes (heartbeats, whether their serve answers now, a lost
-proxy), groups by state, lost groups, and what happened on the nodes (restarts, runs run again)."""
+proxy), groups by state, lost groups, and what happened on the nodes (restarts, runs run again); and a
+fleet on this one machine to try (`stepmill fleet up` / `down`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import click
 
@@ -98,3 +100,79 @@ def serve_nodes(config_path, until_consumed):
 
 
 COMMANDS = [fleet]
+
+
+FLEET_TOML = "fleet.toml"
+
+
+def _run_lines(address: str, coordinator: str, node_dir: Path) -> str:
+    """What `fleet up` writes to DIR/fleet.toml: the [run] keys of a rollout on what it started."""
+    return (f"# From `stepmill fleet up`: the last lines of your rollout.toml's [run] table\n"
+            f'executor = "ray"\nray_address = "{address}"\ncoordinator = "{coordinator}"\nnode_dir = "{node_dir}"\n')
+
+
+def _say_coordinator(server, was_running: bool) -> str:
+    from stepmill.fleet.local_coordinator import DATABASE
+
+    url = server.url(DATABASE)
+    state = "running already" if was_running else "started"
+    click.echo(f"coordinator: {url} ({state}: PostgreSQL on 127.0.0.1:{server.port}, role {DATABASE} with trust "
+               f"authentication for any local user; data {server.data}, log {server.log})")
+    return url
+
+
+def _say_ray(state: dict, reused: bool) -> dict:
+    head = state["nodes"][0]
+    click.echo(f"ray: {state['address']} ({'running already' if reused else 'started'}: {state['alive']} nodes "
+               f"alive; GCS port {head['gcs']}, dashboard port {head['dashboard']} (no dashboard UI), no client "
+               f"server (ray:// needs ray[client]); logs {state['temp_dir']}/session_latest/logs)")
+    for number, ports in enumerate(state["nodes"], start=1):
+        named = ", ".join(f"{name.replace('_', ' ')} {port}" for name, port in ports.items()
+                          if name not in ("gcs", "dashboard"))
+        click.echo(f"ray node {number}{' (head)' if number == 1 else ''}: ports {named}; workers on ports the OS picks")
+    return state
+
+
+@fleet.command("up")
+@click.option("--dir", "fleet_dir", default="~/.stepmill/fleet", show_default=True,
+              help="The folder of the coordinator's data, Ray's files, the nodes' files and fleet.toml.")
+@click.option("--nodes", default=2, show_default=True, type=click.IntRange(min=1), help="Ray nodes on this machine.")
+@click.option("--cpus-per-node", type=click.IntRange(min=1), help="CPUs each Ray node offers (default: the "
+              "machine's cores shared out, at least 1).")
+@click.option("--pg-port", type=click.IntRange(1, 65535), help="The coordinator's port when it starts "
+              "(default: the one it had, else a free one).")
+def fleet_up(fleet_dir, nodes, cpus_per_node, pg_port):
+    """A fleet on this machine to try: a local PostgreSQL coordinator and a local Ray cluster of --nodes
+    nodes, started unless they run; writes DIR/fleet.toml, the [run] lines of a rollout on them."""
+    from stepmill.fleet.local_coordinator import coordinator_up
+    from stepmill.fleet.local_ray import ray_up
+
+    folder = Path(fleet_dir).expanduser().resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    coordinator = _say_coordinator(*coordinator_up(folder, pg_port))
+    cpus = cpus_per_node or max(1, (os.cpu_count() or 1) // nodes)
+    state = _say_ray(*ray_up(folder, nodes, cpus))
+    node_dir = folder / "nodes"
+    (folder / FLEET_TOML).write_text(_run_lines(state["address"], coordinator, node_dir))
+    click.echo(f"nodes' files: {node_dir} (each node's steps node-….db and serve log node-….serve.log; each "
+               "proxy's log $TMPDIR/stepmill-rollout-proxy-PORT.log)")
+    click.echo("write token: the stepmill-token file in your rollout's [proxy] confdir (default ~/.mitmproxy), "
+               "made by the rollout before its first run; trainers and `stepmill fleet serve` read it there")
+    click.echo(f"wrote {folder / FLEET_TOML}; with [run] last in rollout.toml: "
+               f"cat {folder / FLEET_TOML} >> rollout.toml")
+    click.echo(f"export STEPMILL_COORDINATOR={coordinator}")
+
+
+@fleet.command("down")
+@click.option("--dir", "fleet_dir", default="~/.stepmill/fleet", show_default=True, help="The folder `up` used.")
+def fleet_down(fleet_dir):
+    """Stop what `stepmill fleet up --dir DIR` started: its Ray cluster's processes (no other Ray on the
+    machine) and its PostgreSQL (cleanly; its data stays for the next `up`)."""
+    from stepmill.fleet.local_coordinator import coordinator_down
+    from stepmill.fleet.local_ray import ray_down, temp_folder
+
+    folder = Path(fleet_dir).expanduser().resolve()
+    stopped = ray_down(folder)
+    click.echo(f"ray: {stopped} processes of the cluster in {temp_folder(folder)} stopped")
+    click.echo(f"coordinator: {'stopped' if coordinator_down(folder) else 'was not running'} "
+               f"(its data stays in {(folder / 'postgres').resolve()})")
