@@ -40,6 +40,7 @@ import json, sys, time
 from stepmill.errors import Conflict
 
 how, target, name, k, lease, out, mode, hold, quiet = sys.argv[1:10]
+go = sys.argv[10] if len(sys.argv) > 10 else None  # a file whose existence says: start claiming (all at once)
 target, k, lease, hold, quiet = json.loads(target), int(k), float(lease), float(hold), float(quiet)
 if how == "sqlite":
     from stepmill.store import Store
@@ -55,6 +56,10 @@ with open(out, "a") as log:
     def say(**event):
         log.write(json.dumps({"consumer": name, **event}) + "\n")
         log.flush()
+    if go:
+        say(event="ready")
+        while not __import__("os").path.exists(go):
+            time.sleep(0.02)
     last = time.monotonic()
     while time.monotonic() - last < quiet:
         before = time.time()
@@ -83,9 +88,10 @@ with open(out, "a") as log:
 
 
 def start_trainer(how: str, target: dict, name: str, out: Path, *, k: int = 3, lease: float = 600,
-                  mode: str = "loop", hold: float = 0.05, quiet: float = 2.0) -> subprocess.Popen:
+                  mode: str = "loop", hold: float = 0.05, quiet: float = 2.0, go: Path | None = None) -> subprocess.Popen:
+    """A trainer process; with ``go``, it says it is ready and claims nothing until that file exists."""
     return subprocess.Popen([sys.executable, "-c", TRAINER, how, json.dumps(target), name, str(k), str(lease),
-                             str(out), mode, str(hold), str(quiet)],
+                             str(out), mode, str(hold), str(quiet), *([str(go)] if go else [])],
                             stderr=(out.parent / f"{out.stem}.err").open("ab"))
 
 
@@ -192,8 +198,13 @@ def test_two_trainers_claiming_several_each_never_share_a_group(db, tmp_path):
     store = Store(db)
     groups = make_groups(store, "c", 24)
     outs = [tmp_path / f"t{i}.jsonl" for i in range(2)]
-    trainers = [start_trainer("sqlite", {"db": str(db)}, f"trainer-{i}", out, k=3, hold=0.1, quiet=1.5)
+    go = tmp_path / "go"
+    trainers = [start_trainer("sqlite", {"db": str(db)}, f"trainer-{i}", out, k=3, hold=0.1, quiet=1.5, go=go)
                 for i, out in enumerate(outs)]
+    # Both started before either claims: on a busy machine one may start seconds after the other.
+    wait_until(lambda: all(any(e["event"] == "ready" for e in events(out)) for out in outs), timeout=120,
+               what="both trainers ready")
+    go.touch()
     for trainer, out in zip(trainers, outs):
         finished(trainer, out)
     mine = [{g for e in events(out) if e["event"] == "claimed" for g in e["groups"]} for out in outs]
