@@ -1099,27 +1099,34 @@ def test_a_run_that_fills_the_disk_fails_alone_and_the_same_command_finishes_onc
         full = run_rollout(stack, "fill", agents=agents, run_agents=["hog"], tasks=tasks, concurrency=1, timeout=90)
         said = full.done.stderr
         assert full.done.returncode == 0, said[-3000:]
-        assert "2 runs finished (0 failed, 0 timed out)" in said, said[-3000:]
-        assert "1 of them left open: not every call of theirs could be committed" in said, said[-3000:]
-        assert "its revocation could not be recorded" in said and "Traceback" not in said, said[-3000:]
-        # The honest run's reward is written, or (SQLite found no room) scoring says it waits.
-        assert f"reward math-{stack.marker}: scored 1, failed 0" in said or (
-            "not scored: " in said and "full" in said), said[-3000:]
+        assert "2 runs finished (0 failed, 0 timed out)" in said and "Traceback" not in said, said[-3000:]
+        # Whether the full disk stops the runner's last writes depends on where SQLite's WAL stood: after a
+        # checkpoint it rewrites its frames in place and needs no new block. Either way nothing is lost.
+        left_open = "1 of them left open: not every call of theirs could be committed" in said
+        if left_open:
+            assert "its revocation could not be recorded" in said, said[-3000:]
+            # The honest run's reward is written, or (SQLite found no room) scoring says it waits.
+            assert f"reward math-{stack.marker}: scored 1, failed 0" in said or (
+                "not scored: " in said and "full" in said), said[-3000:]
+        else:
+            assert f"reward math-{stack.marker}: scored 2, failed 0" in said, said[-3000:]
         filler = next(data.rglob("filler.bin"))
         assert filler.stat().st_size > 16 * 2**20
         filler.unlink()  # space is back
         again = run_rollout(stack, "fill", agents=black_box("hog", "hog.py", "{ }"), run_agents=["hog"],
                             tasks=tasks, concurrency=1, timeout=90)
         assert again.done.returncode == 0, again.done.stderr[-3000:]
-        assert "1 runs finished (0 failed, 0 timed out), 1 done earlier, of 2" in again.done.stderr, again.done.stderr
-        assert f"reward math-{stack.marker}: scored " in again.done.stderr, again.done.stderr
+        rerun = "1 runs finished (0 failed, 0 timed out), 1 done earlier, of 2" if left_open else "2 done earlier, of 2"
+        assert rerun in again.done.stderr, again.done.stderr
+        if left_open:
+            assert f"reward math-{stack.marker}: scored " in again.done.stderr, again.done.stderr
         for task in ("t01", "t02"):
             row = again.trajectories[f"{again.dataset}-{task}-0"]
             assert row["status"] == "complete" and row["reward"] is not None, row
         store = Store(str(stack.db), readonly=True)
         try:  # the call the filler made before it filled the disk is kept (an earlier attempt, out of the gate)
             n = store.query("SELECT count(*) AS n FROM steps WHERE trajectory_id = ?", [f"{again.dataset}-t02-0"])
-            assert n[0]["n"] == 2, n
+            assert n[0]["n"] == (2 if left_open else 1), n
         finally:
             store.close()
     finally:
