@@ -489,7 +489,18 @@ class VLLMSync:
         _Engine(self.url, self.timeout).call("POST", "/pause?mode=abort", what="aborting the calls it holds")
 
     def close(self) -> None:
-        """Remove every version's folder (the engine keeps what it loaded in memory)."""
+        """Remove every version's folder (the engine keeps the full weights it loaded in memory). A LoRA
+        adapter this sync served is unloaded first: vLLM reads a served adapter's folder again whenever it
+        evicted the adapter from memory, and a folder gone then kills its engine (EngineDeadError, seen on
+        its CPU build), so after the run the name is not served; the last adapter is in the trainer's
+        last checkpoint."""
+        if self.lora_name is not None:
+            try:
+                _Engine(self.url, self.timeout).call("POST", "/v1/unload_lora_adapter", {"lora_name": self.lora_name},
+                                                     what="unloading the LoRA adapter")
+            except SyncError:  # an engine already gone or restarted serves no adapter of this run
+                pass
+            self.lora_name = None
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
 
