@@ -133,6 +133,12 @@ def _say_ray(state: dict, reused: bool) -> dict:
     return state
 
 
+def _has_ray() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None
+
+
 @fleet.command("up")
 @click.option("--dir", "fleet_dir", default="~/.stepmill/fleet", show_default=True,
               help="The folder of the coordinator's data, Ray's files, the nodes' files and fleet.toml.")
@@ -144,14 +150,20 @@ def _say_ray(state: dict, reused: bool) -> dict:
 def fleet_up(fleet_dir, nodes, cpus_per_node, pg_port):
     """A fleet on this machine to try: a local PostgreSQL coordinator and a local Ray cluster of --nodes
     nodes, started unless they run; writes DIR/fleet.toml, the [run] lines of a rollout on them."""
-    from stepmill.fleet.local_coordinator import coordinator_up
+    from stepmill.fleet.local_coordinator import coordinator_up, missing_reason
     from stepmill.fleet.local_ray import ray_up
 
+    missing = missing_reason() or (None if _has_ray() else "Ray is not installed (pip install 'stepmill[fleet]')")
+    if missing:
+        raise click.ClickException(f"stepmill fleet up: {missing}")
     folder = Path(fleet_dir).expanduser().resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    coordinator = _say_coordinator(*coordinator_up(folder, pg_port))
     cpus = cpus_per_node or max(1, (os.cpu_count() or 1) // nodes)
-    state = _say_ray(*ray_up(folder, nodes, cpus))
+    try:
+        coordinator = _say_coordinator(*coordinator_up(folder, pg_port))
+        state = _say_ray(*ray_up(folder, nodes, cpus))
+    except RuntimeError as exc:  # initdb, pg_ctl or ray start failed: what it said, and its log
+        raise click.ClickException(str(exc)) from None
     node_dir = folder / "nodes"
     (folder / FLEET_TOML).write_text(_run_lines(state["address"], coordinator, node_dir))
     click.echo(f"nodes' files: {node_dir} (each node's steps node-….db and serve log node-….serve.log; each "
@@ -172,6 +184,8 @@ def fleet_down(fleet_dir):
     from stepmill.fleet.local_ray import ray_down, temp_folder
 
     folder = Path(fleet_dir).expanduser().resolve()
+    if not folder.is_dir():
+        raise click.ClickException(f"stepmill fleet down: {folder} is not a folder `stepmill fleet up` made")
     stopped = ray_down(folder)
     click.echo(f"ray: {stopped} processes of the cluster in {temp_folder(folder)} stopped")
     click.echo(f"coordinator: {'stopped' if coordinator_down(folder) else 'was not running'} "
