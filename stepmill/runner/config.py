@@ -50,8 +50,8 @@
     model = "qwen"
     # runs_dir = "runs"                       # the runs' folders: new, empty or stepmill's (default: <database>.runs)
     # keep_runs_days = 7                      # older run folders are removed as a rollout starts (0: kept)
-    # max_new_tokens = 4096                   # what one call may add: with an agent's prompt_tokens it must fit
-                                              # the engine's context, or the rollout is refused (context_fit.py)
+    # max_new_tokens = 4096                   # what one call may add (fills {max_new_tokens}): with an agent's
+                                              # prompt_tokens it must fit the engine's context, or the rollout is refused (context_fit.py)
     # executor = "ray"                        # run on a Ray cluster's nodes (stepmill/fleet/ray_rollout.py), with:
     # ray_address = "ray://head:10001"        # default: ray.init()'s choice (RAY_ADDRESS, a running one, or local)
     # runs_per_node = 8                       # default: concurrency
