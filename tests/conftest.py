@@ -269,23 +269,29 @@ def fleet(url):
 RAY_NODES = 2
 
 
+@dataclass
+class RayCluster:
+    address: str  # the GCS address, as [run] ray_address takes it
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray cluster of ``RAY_NODES`` nodes (one CPU each), this process connected to it."""
+    """A local Ray cluster of ``RAY_NODES`` nodes (one CPU each), started as `stepmill fleet up` starts
+    its own (``stepmill.fleet.local_ray``), this process connected to it; stopped as `fleet down` stops it."""
     ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'stepmill[fleet]'")
-    from ray.cluster_utils import Cluster
+    import shutil
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    for _ in range(RAY_NODES - 1):
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    from stepmill.fleet.local_ray import ray_down, ray_up
+
+    folder = Path(tempfile.mkdtemp(prefix="stepmill-ray-"))  # short: Ray's sockets lie in it
     try:
-        yield cluster
+        state, _ = ray_up(folder, RAY_NODES, 1)
+        ray.init(address=state["address"], log_to_driver=False)
+        yield RayCluster(state["address"])
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        ray_down(folder)
+        shutil.rmtree(folder, ignore_errors=True)
 
 from .real_engine import vllm  # noqa: E402,F401
 
