@@ -58,10 +58,23 @@ def _processes() -> dict[int, tuple[int, str]]:
     return found
 
 
+def _ray_package() -> tuple[str, ...]:
+    """The ray package's folder, as imported and with links resolved (Ray names its programs by either)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("ray")
+    if not spec or not spec.submodule_search_locations:
+        return ("/ray/",)
+    folder = spec.submodule_search_locations[0]
+    return folder, os.path.realpath(folder)
+
+
 def cluster_processes(temp: Path) -> list[int]:
-    """The pids of the cluster's processes (those naming its temp folder) and of all their descendants."""
-    table = _processes()
-    chosen = {pid for pid, (_, cmdline) in table.items() if str(temp) in cmdline}
+    """The pids of the cluster's processes (Ray's programs naming a path in its temp folder) and of all their
+    descendants (Ray's workers, renamed ray::…, and what they started)."""
+    table, package = _processes(), _ray_package()
+    chosen = {pid for pid, (_, cmdline) in table.items()
+              if f"{temp}/" in cmdline and any(folder in cmdline for folder in package)}
     grew = True
     while grew:
         more = {pid for pid, (parent, _) in table.items() if parent in chosen} - chosen
@@ -71,7 +84,7 @@ def cluster_processes(temp: Path) -> list[int]:
 
 
 def head_running(temp: Path) -> bool:
-    return any("gcs_server" in cmdline and str(temp) in cmdline for _, cmdline in _processes().values())
+    return any("gcs_server" in cmdline and f"{temp}/" in cmdline for _, cmdline in _processes().values())
 
 
 def _start_node(temp: Path, cpus: int, log: Path, head_port: int | None) -> dict[str, int]:
