@@ -34,3 +34,28 @@ def test_a_task_text_is_never_looked_up_as_a_program(tmp_path):
     (bin_folder / "toolcli x").symlink_to("toolcli")  # a name with a space, as a task's text would be
     shown = install_folders(["sh", "-c", "echo", "toolcli x"], os.pathsep.join([str(bin_folder), "/usr/bin"]))
     assert tmp_path / "agents" not in shown, shown
+
+
+def test_a_program_reached_through_a_chain_of_links_starts_in_the_sandbox(tmp_path):
+    """CI links a checkout's .agents and .venv into its cache (and a cache may be a link again): every link
+    on the way is made inside as on the host, so the run finds the program by the path it was given."""
+    import subprocess
+
+    from stepmill.runner.isolation.files import Private
+    from stepmill.runner.isolation.sandbox import sandbox_command
+
+    from .sandboxing import need_sandbox
+
+    need_sandbox()
+    bin_folder = _npm_install(tmp_path / "cache" / "agents-1", "toolcli")
+    (tmp_path / "cache-link").symlink_to(tmp_path / "cache")  # the cache itself reached by a link
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / ".agents").symlink_to(tmp_path / "cache-link" / "agents-1")
+    run_dir = tmp_path / "run"
+    (run_dir / "work").mkdir(parents=True)
+    program = checkout / ".agents" / bin_folder.relative_to(tmp_path / "cache" / "agents-1") / "toolcli"
+    uid = {"uid": 65534} if os.geteuid() == 0 else {}
+    command = sandbox_command([str(program)], run_dir=run_dir, private=Private([], []), **uid)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "hello\n"), done.stderr

@@ -147,8 +147,10 @@ def _links(path: Path, shown: list[Path], made: set) -> list[str]:
         if not current.is_symlink():
             continue
         if current not in made and not any(within(current, tree) for tree in shown):
-            args += _parents(current, shown, made) + ["--symlink", os.readlink(current), str(current)]
+            target = os.readlink(current)
+            args += _parents(current, shown, made) + ["--symlink", target, str(current)]
             made.add(current)
+            args += _links(current.parent / target, shown, made)  # a link to a link: each made in turn
         current = current.resolve()  # the rest of the way from its target
     return args
 
