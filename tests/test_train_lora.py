@@ -14,7 +14,9 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import threading
 import urllib.request
+from contextlib import contextmanager
 
 import pytest
 
@@ -137,13 +139,14 @@ def test_async_snapshots_keep_the_adapter_of_each_version(layouts, base_folder):
 
 @pytest.fixture(scope="module")
 def lora_engine(tmp_path_factory, request):
-    """vLLM serving the untied random Qwen2 with runtime LoRA adapters of rank up to 8."""
+    """vLLM serving the untied warm-started Qwen2 (its topic_words rewards vary within a group, so a step
+    has advantages to move the adapter by) with runtime LoRA adapters of rank up to 8."""
     from stepmill.demo.main import start_vllm, vllm_python
 
     if vllm_python() is None:
         missing("vLLM is not installed: run .ci/install-engines")
-    server = start_vllm(tmp_path_factory.mktemp("lora-engine"), tied=False, dev_mode=True, worker_extension=True,
-                        enable_lora=True, max_lora_rank=8, max_new_tokens=24, timeout=900)
+    server = start_vllm(tmp_path_factory.mktemp("lora-engine"), tied=False, warm_start=True, dev_mode=True,
+                        worker_extension=True, enable_lora=True, max_lora_rank=8, max_new_tokens=32, timeout=900)
     yield server
     server.stop()
     if request.session.testsfailed:
@@ -164,11 +167,17 @@ def test_a_lora_run_on_the_real_vllm(lora_engine, tmp_path):
 
     from .test_train_loop import rollout_file
 
-    path = rollout_file(tmp_path, lora_engine, agent="black-box", tasks=2, n=2, iterations=2, control=False, lr=2e-2)
+    path = rollout_file(tmp_path, lora_engine, agent="black-box", tasks=2, n=4, iterations=2, control=False, lr=2e-2)
     path.write_text(path.read_text() + '\n[train.lora]\nrank = 8\nalpha = 16\ntarget_modules = ["q_proj", "v_proj"]\n')
     db = tmp_path / "stepmill.db"
-    outcome = train_loop(load(path), load_train(path), db=str(db), progress=False)
     adapter_name = LoraConfig.served_name(lora_engine.name, "train")
+    with models_seen(lora_engine.url) as listed:  # what /v1/models lists while the run goes on
+        outcome = train_loop(load(path), load_train(path), db=str(db), progress=False)
+    print("LoRA run:", [(r.version, {k: r.metrics.get(k) for k in ("logprob_gap", "rollout_gap", "sync_s",
+                                                                   "engine_paused_s", "train_s", "reward")})
+                        for r in outcome.run])
+    assert adapter_name in listed
+    assert all(r.metrics["grad_norm"] > 0 for r in outcome.run[:2]), "no step had an advantage to train on"
 
     assert [r.version for r in outcome.run] == [0, 1, 2]
     for report in outcome.run:  # every sync verified in the paused engine, every sampled token checked
@@ -179,22 +188,46 @@ def test_a_lora_run_on_the_real_vllm(lora_engine, tmp_path):
             assert m["unrewarded_steps"] == 0
     sync = VLLMSync(lora_engine.url, lora_engine.name)
     assert sync.weight_version() == "2"
-    with urllib.request.urlopen(f"{lora_engine.url}/models") as answer:
-        listed = {card["id"] for card in json.loads(answer.read())["data"]}
-    assert {lora_engine.name, adapter_name} <= listed
+    # the run's end unloads its adapter (its folder goes with the run), and the engine serves on
+    assert served_models(lora_engine.url) == {lora_engine.name}
     store = Store(str(db), readonly=True)
     models = {row["model"] for row in store.query("SELECT DISTINCT model FROM steps WHERE channel = 'train'")}
     assert models == {adapter_name}  # every rollout called the adapter
 
-    # the served adapter is the last checkpoint's; the engine's base model is the starting weights
+    # the engine's base model is still the starting weights; the last checkpoint's adapter moved off them
     base = AutoModelForCausalLM.from_pretrained(lora_engine.model_dir, dtype=torch.float32)
     probe = probe_tokens(64)
-    served_base = vllm_logprobs(lora_engine.url, lora_engine.name, probe)
-    assert max(abs(a - b) for a, b in zip(trainer_logprobs(base, probe), served_base)) <= 1e-4
+    base_side = trainer_logprobs(base, probe)
+    assert max(abs(a - b) for a, b in zip(base_side, vllm_logprobs(lora_engine.url, lora_engine.name, probe))) <= 1e-4
     state = checkpoint.latest(checkpoint.checkpoint_folder(str(db), "train"))
-    assert state["version"] == 2 and state["lora"]
+    assert state["version"] == 2 and state["lora"] and all("lora_" in k for k in state["model"])
     trained = get_peft_model(base, PeftLoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     set_peft_model_state_dict(trained, state["model"])
-    served = vllm_logprobs(lora_engine.url, adapter_name, probe)
-    assert max(abs(a - b) for a, b in zip(trainer_logprobs(trained, probe), served)) <= 1e-4
-    assert max(abs(a - b) for a, b in zip(served, served_base)) > 1e-3  # the adapter moved off the base
+    assert max(abs(a - b) for a, b in zip(trainer_logprobs(trained, probe), base_side)) > 1e-3
+
+
+def served_models(url: str) -> set[str]:
+    with urllib.request.urlopen(f"{url}/models") as answer:
+        return {card["id"] for card in json.loads(answer.read())["data"]}
+
+
+@contextmanager
+def models_seen(url: str, every: float = 0.5):
+    """Every model id the engine's /v1/models listed while the block ran (polled in a thread)."""
+    seen: set[str] = set()
+    stop = threading.Event()
+
+    def poll():
+        while not stop.wait(every):
+            try:
+                seen.update(served_models(url))
+            except OSError:
+                pass
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        poller.join()
