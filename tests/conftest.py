@@ -281,7 +281,7 @@ def ray_cluster():
     ray = pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'stepmill[fleet]'")
     import shutil
 
-    from stepmill.fleet.local_ray import ray_down, ray_up
+    from stepmill.fleet.local_ray import cluster_processes, ray_down, ray_up, temp_folder
 
     folder = Path(tempfile.mkdtemp(prefix="stepmill-ray-"))  # short: Ray's sockets lie in it
     try:
@@ -291,7 +291,9 @@ def ray_cluster():
     finally:
         ray.shutdown()
         ray_down(folder)
+        left = cluster_processes(temp_folder(folder))
         shutil.rmtree(folder, ignore_errors=True)
+        assert not left, f"processes of the test's Ray cluster outlived its stop: {left}"
 
 from .real_engine import vllm  # noqa: E402,F401
 
