@@ -124,3 +124,42 @@ def test_a_run_gets_what_the_engine_context_leaves_as_its_output_cap(simulated_l
     # an engine that names no context (nothing listens there): the default
     said = _capped_run(tmp_path, proxy, "http://127.0.0.1:9/v1", marker + "-none")
     assert said == [f"cap={DEFAULT_NEW_TOKENS} env={DEFAULT_NEW_TOKENS}"] * 2
+
+
+# vLLM's /v1/models with a LoRA adapter loaded (serving_models.py): the adapter's card names its base as its
+# parent and has no length of its own.
+VLLM_MODELS_WITH_ADAPTER = {"object": "list", "data": [
+    {"id": "qwen", "object": "model", "owned_by": "vllm", "root": "/models/qwen", "parent": None,
+     "max_model_len": 4096, "permission": []},
+    {"id": "qwen-run1", "object": "model", "owned_by": "vllm", "root": "/runs/lora-3", "parent": "qwen",
+     "max_model_len": None, "permission": []}]}
+
+
+def test_an_adapters_context_is_its_base_models():
+    """A rollout calling a LoRA adapter by name (stepmill train's [train.lora]) is judged by its base's context."""
+    import http.server
+    import threading
+
+    from stepmill.runner.context_fit import engine_context
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(VLLM_MODELS_WITH_ADAPTER).encode()
+            self.send_response(200 if self.path == "/v1/models" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base_url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        assert engine_context(base_url, "qwen-run1") == 4096
+        assert engine_context(base_url, "qwen") == 4096
+        assert engine_context(base_url, "unknown") is None  # two models, none of that name: not judged
+    finally:
+        server.shutdown()

@@ -34,7 +34,10 @@ def engine_context(base_url: str, model: str) -> int | None:
             listed = json.loads(answer.read()).get("data") or []
     except (OSError, ValueError, AttributeError):
         return None
-    lengths = {entry.get("id"): entry.get("max_model_len") for entry in listed if isinstance(entry, dict)}
+    entries = {entry.get("id"): entry for entry in listed if isinstance(entry, dict)}
+    # vLLM lists a LoRA adapter without a length of its own; its parent (the base model) has it.
+    lengths = {name: entry.get("max_model_len") or entries.get(entry.get("parent"), {}).get("max_model_len")
+               for name, entry in entries.items()}
     length = lengths.get(model) if model in lengths else (next(iter(lengths.values())) if len(lengths) == 1 else None)
     return length if isinstance(length, int) and length > 0 else None
 
