@@ -53,7 +53,7 @@
     # max_new_tokens = 4096                   # what one call may add (fills {max_new_tokens}): with an agent's
                                               # prompt_tokens it must fit the engine's context, or the rollout is refused (context_fit.py)
     # executor = "ray"                        # run on a Ray cluster's nodes (stepmill/fleet/ray_rollout.py), with:
-    # ray_address = "ray://head:10001"        # default: ray.init()'s choice (RAY_ADDRESS, a running one, or local)
+    # ray_address = "head:6379"              # the head's GCS address (ray://… needs ray[client]); default: ray.init()'s choice
     # runs_per_node = 8                       # default: concurrency
     # node_dir = "/var/lib/stepmill"          # each node's SQLite file, on its local disk (WAL needs one)
     # coordinator = "postgresql://…"          # default: $STEPMILL_COORDINATOR; none: no fleet registry
