@@ -121,8 +121,8 @@ def sandbox_command(command: list[str], *, run_dir: Path, private: Private, need
 
 def _shown(command: list[str], needs: list[Path], expose: list[Exposed], search_path: str | None) -> list[str]:
     """Read-only binds of what the run needs, parents first (one within a shown tree is there already)."""
-    wanted = {path.resolve(): False for path in [*code_paths(), *needs, *install_folders(command, search_path)]
-              if path.exists()}
+    installs = install_folders(command, search_path)
+    wanted = {path.resolve(): False for path in [*code_paths(), *needs, *installs] if path.exists()}
     for item in expose:
         wanted[item.path] = wanted.get(item.path, False) or item.writable
     shown = [Path(tree) for tree in SYSTEM_TREES if os.path.exists(tree)]
@@ -132,8 +132,7 @@ def _shown(command: list[str], needs: list[Path], expose: list[Exposed], search_
             continue  # there already, read-only
         args += _parents(path, shown, made) + ["--bind" if wanted[path] else "--ro-bind", str(path), str(path)]
         shown.append(path)
-    named = [Path(part) for part in command if part.startswith("/")] + [*needs, *install_folders(command, search_path)]
-    for path in named:
+    for path in [*(Path(part) for part in command if part.startswith("/")), *needs, *installs]:
         args += _links(path, shown, made)
     return args
 
