@@ -33,6 +33,11 @@ def read_token(confdir: str | None = None) -> str | None:
         return None
 
 
+def token_wanted(whose: str, confdir: str | None = None) -> str:
+    """What a client that waits for the token lacks, and where it will come from (``Waiting``'s words)."""
+    return f"{whose} write token ({token_path(confdir)}, made by the rollout; or {ENV})"
+
+
 def ensure_token(confdir: str | None = None) -> str:
     """The proxy's token: ``STEPMILL_TOKEN``, else the confdir's file, created (mode 0600) if missing."""
     if os.environ.get(ENV):

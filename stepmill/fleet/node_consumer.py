@@ -66,10 +66,10 @@ class NodeConsumer(HeldGroups):
 
     def not_ready(self) -> str | None:
         """The node's write token, read again while missing (the rollout makes it: ``wait_s``)."""
-        from stepmill.auth.write_token import read_token, token_path
+        from stepmill.auth.write_token import read_token, token_wanted
 
         self.token = self.token or read_token(self._confdir)
-        return None if self.token else f"the node's write token ({token_path(self._confdir)}, made by the rollout)"
+        return None if self.token else token_wanted("the node's", self._confdir)
 
     def _post(self, path: str, body: dict):
         request = urllib.request.Request(self.url + path, data=json.dumps({"consumer": self.name, **body}).encode(),

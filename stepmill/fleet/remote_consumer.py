@@ -88,11 +88,11 @@ class RemoteConsumer(GroupStream):
         """The nodes' write token, read again while missing: a trainer may start before the rollout that
         makes it (``[proxy] confdir``'s ``stepmill-token``, or ``STEPMILL_TOKEN``)."""
         if self._token is None and not self._tokens:
-            from stepmill.auth.write_token import read_token, token_path
+            from stepmill.auth.write_token import read_token, token_wanted
 
             self._token = read_token(self._confdir)
             if self._token is None:
-                return f"the nodes' write token ({token_path(self._confdir)}, made by the rollout; or STEPMILL_TOKEN)"
+                return token_wanted("the nodes'", self._confdir)
         return None
 
     def claim_many(self, k: int) -> list[Batch]:
