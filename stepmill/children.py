@@ -7,7 +7,9 @@ import ctypes
 import os
 import signal
 import socket
+import subprocess
 import sys
+import time
 
 PR_SET_PDEATHSIG = 1
 
@@ -58,3 +60,20 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         prctl(PR_SET_PDEATHSIG, sig)
         if os.getppid() != _forker:  # the parent died before the prctl took: nothing will ever signal
             os._exit(128 + sig)
+
+
+def wait_up(answers, process: subprocess.Popen, what: str, log, timeout: float = 60) -> None:
+    """Until ``answers()`` stops raising OSError; the process killed and RuntimeError when it exits or
+    the timeout passes."""
+    deadline = time.time() + timeout
+    while True:
+        if process.poll() is not None:  # whatever answers on its port now is not it
+            raise RuntimeError(f"{what} exited with {process.returncode} (its log: {log})")
+        try:
+            answers()
+            return
+        except OSError:
+            if time.time() > deadline:
+                process.kill()
+                raise RuntimeError(f"{what} does not answer (its log: {log})") from None
+            time.sleep(0.2)

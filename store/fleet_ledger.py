@@ -118,7 +118,7 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
 ]
 # What a node event says happened (``Coordinator.node_event``).
 NODE_EVENTS = ("proxy_died", "proxy_restarted", "proxy_lost", "serve_died", "serve_restarted", "serve_stopped",
-               "rerun", "moved")
+               "serve_kept", "serve_not_kept", "rerun", "moved")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The fleet page's recipe as written (docs/fleet/index.md, "Try it on one machine"): its blocks are read
 from the page and run in order — `stepmill fleet up` (a PostgreSQL coordinator and two local Ray nodes),
-the rollout with the lines up wrote, `stepmill fleet` (two nodes), the nodes served again, the trainer (every
-group trained on once), `stepmill fleet down` (no PostgreSQL, raylet or other process of that cluster left).
+the rollout with the lines up wrote (its nodes' files served on after it: serve = "keep"), `stepmill fleet`
+(two nodes), the trainer after the rollout (every group trained on once), `stepmill fleet down` (no PostgreSQL, raylet or other process of that cluster left).
 
 The page's `~/fleet` is a temporary folder here, and its `stepmill simulate-llm --port 8000` is the
 session's simulated LLM, on a port of its own.
@@ -136,9 +136,13 @@ def test_the_fleet_page_runs_as_written(simulated_llm, tmp_path):
         with Coordinator(recipe.env["STEPMILL_COORDINATOR"]) as fleet:
             assert fleet.counts()["acked"] == GROUPS
             assert acks_by_group(fleet, trained) == Counter(trained)
-        serve = recipe.background[-1]  # --until-consumed: it stops by itself once every group is
-        wait_until(lambda: serve.poll() is not None, timeout=120, interval=0.5, what="fleet serve to stop")
-        assert serve.returncode == 0, (tmp_path / "background-0.log").read_text()
+        # serve = "keep": the nodes' files were served after the rollout by a process of each node's, which
+        # stops by itself once every group of its node is consumed.
+        nodes = (fleet_dir / "nodes").resolve()
+        assert len(list(nodes.glob("*.keep.pid"))) == 2, sorted(p.name for p in nodes.iterdir())
+        wait_until(lambda: not _left_behind(f"--node-dir {nodes}"), timeout=120, interval=0.5,
+                   what="the kept serving to stop once every group is consumed")
+        assert all("is consumed" in log.read_text() for log in nodes.glob("*.keep.log"))
 
         data = (fleet_dir / "postgres").resolve() / "data"
         assert _postgres_left(data) and cluster_processes(temp_folder(fleet_dir)), "nothing ran before down"

@@ -269,6 +269,8 @@ def test_ctrl_c_stops_every_node_and_resume_runs_what_is_missing(ray_cluster, ur
     ('executor = "ray"\ncoordinator = "mysql://x"', "", ":{line}: run.coordinator: a postgresql:// URL is required"),
     ('executor = "ray"\nretries = -1', "", ":{line}: run.retries: a whole number, 0 or more, is required"),
     ('retries = 2', "", ':{line}: run.retries: applies to executor = "ray" only'),
+    ('executor = "ray"\nserve = "forever"', "", ":{line}: run.serve: must be one of stop, keep"),
+    ('serve = "keep"', "", ':{line}: run.serve: applies to executor = "ray" only'),
     ('executor = "ray"', '[proxy]\nurl = "http://127.0.0.1:8080"\n',
      ':{line}: proxy.url: executor = "ray" starts a proxy on each node'),
 ])
@@ -281,6 +283,18 @@ def test_ray_configuration_errors_name_the_key_and_line(tmp_path, run, proxy, me
     line = max(i for i, content in enumerate(text.splitlines(), start=1) if content.startswith(f"{key} ="))
     done = subprocess.run(STEPMILL + ["rollout", str(config)], capture_output=True, text=True)
     assert done.returncode != 0 and message.format(line=line) in done.stderr, done.stderr
+
+
+def test_serve_keep_without_a_coordinator_is_refused_before_ray_starts(tmp_path):
+    config = tmp_path / "keep.toml"
+    config.write_text('[[agent]]\nname = "a"\ncommand = ["true"]\n\n[[dataset]]\nname = "x"\npath = "t.jsonl"\n\n'
+                      '[run]\nagent = "a"\ndataset = "x"\nexecutor = "ray"\nray_address = "127.0.0.1:1"\n'
+                      'serve = "keep"\n\n[isolation]\nmode = "none"\n')
+    (tmp_path / "t.jsonl").write_text('{"id": "1", "prompt": "p"}\n')
+    env = {k: v for k, v in os.environ.items() if k != "STEPMILL_COORDINATOR"}
+    done = subprocess.run(STEPMILL + ["rollout", str(config)], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode != 0 and '[run] serve = "keep"' in done.stderr and "needs a coordinator" in done.stderr, \
+        done.stderr
 
 
 def test_groups_stay_whole_and_go_back_where_they_were():

@@ -73,30 +73,54 @@ def fleet(context, coordinator, new_version, event_count, as_json):
 
 
 @fleet.command("serve")
-@click.argument("config_path", type=click.Path(exists=True, dir_okay=False))
+@click.argument("config_path", required=False, type=click.Path(exists=True, dir_okay=False))
 @click.option("--until-consumed", is_flag=True,
               help="Stop once no group with runs on these nodes is waiting, ready or leased (default: Ctrl-C).")
-def serve_nodes(config_path, until_consumed):
+@click.option("--node", "nodes", multiple=True, help="Only this node's file (repeatable; default: every node file).")
+@click.option("--node-dir", help="The nodes' files, without CONFIG_PATH (default: its [run] node_dir).")
+@click.option("--confdir", help="mitmproxy's directory, without CONFIG_PATH (default: its [proxy] confdir, "
+                                "else ~/.mitmproxy).")
+@click.option("--stop", is_flag=True, help='Stop what serves these node files after a rollout ([run] serve = "keep"),'
+                                           " and exit.")
+@coordinator_option
+def serve_nodes(config_path, until_consumed, nodes, node_dir, confdir, stop, coordinator):
     """Serve again, for trainers, every node file of the Ray rollout's [run] node_dir on this machine: each as
     the node the coordinator knows (its id, its serve URL), restarted where it dies."""
     from stepmill.cli.options import stop_on_signals
     from stepmill.errors import ConfigError
-    from stepmill.fleet.keep_serving import keep_serving
-    from stepmill.runner.config import load
-    from stepmill.store.fleet_ledger import ENV, Coordinator
+    from stepmill.fleet.keep_serving import keep_serving, stop_kept
+    from stepmill.store.fleet_ledger import Coordinator
 
-    config = load(config_path)
-    coordinator = config.run.coordinator or os.environ.get(ENV)
-    if config.run.executor != "ray" or not coordinator:
-        raise ConfigError(f"{config_path}: stepmill fleet serve serves a Ray rollout's node files: it needs "
-                          'executor = "ray" and a coordinator ([run] coordinator or STEPMILL_COORDINATOR)')
-    confdir = os.path.expanduser(config.proxy.get("confdir", "~/.mitmproxy"))
+    coordinator, node_dir, confdir = _serve_settings(config_path, coordinator, node_dir, confdir)
+    if stop:
+        stopped = stop_kept(node_dir, list(nodes))
+        click.echo(f"stepmill fleet serve: stopped the serving of {', '.join(stopped) or 'no node'}", err=True)
+        return
+    if not coordinator:
+        raise ConfigError("stepmill fleet serve serves a Ray rollout's node files as the coordinator knows them: "
+                          "it needs a coordinator ([run] coordinator, --coordinator or STEPMILL_COORDINATOR)")
     stop_on_signals()
     with Coordinator(coordinator) as board:
-        served = keep_serving(board, coordinator, config.run.node_dir, confdir, until_consumed=until_consumed,
+        served = keep_serving(board, coordinator, node_dir, confdir, until_consumed=until_consumed, only=list(nodes),
                               say=lambda line: click.echo(line, err=True))
     if not served:
-        raise ConfigError(f"no node file of the coordinator's nodes in {config.run.node_dir}")
+        raise ConfigError(f"no node file of the coordinator's nodes in {node_dir}")
+
+
+def _serve_settings(config_path, coordinator, node_dir, confdir) -> tuple[str | None, str, str]:
+    """The coordinator, node folder and confdir `fleet serve` uses: from the options, else the rollout's."""
+    from stepmill.errors import ConfigError
+    from stepmill.runner.config import load
+
+    if config_path is None:
+        if not node_dir:
+            raise ConfigError("stepmill fleet serve: name the Ray rollout's configuration, or --node-dir")
+        return coordinator, node_dir, os.path.expanduser(confdir or "~/.mitmproxy")
+    config = load(config_path)
+    if config.run.executor != "ray":
+        raise ConfigError(f'{config_path}: stepmill fleet serve serves a Ray rollout\'s node files: executor = "ray"')
+    return (config.run.coordinator or coordinator, node_dir or config.run.node_dir,
+            os.path.expanduser(confdir or config.proxy.get("confdir", "~/.mitmproxy")))
 
 
 COMMANDS = [fleet]
@@ -178,14 +202,19 @@ def fleet_up(fleet_dir, nodes, cpus_per_node, pg_port):
 @fleet.command("down")
 @click.option("--dir", "fleet_dir", default="~/.stepmill/fleet", show_default=True, help="The folder `up` used.")
 def fleet_down(fleet_dir):
-    """Stop what `stepmill fleet up --dir DIR` started: its Ray cluster's processes (no other Ray on the
-    machine) and its PostgreSQL (cleanly; its data stays for the next `up`)."""
+    """Stop what `stepmill fleet up --dir DIR` started: what still serves its nodes' files after a rollout,
+    its Ray cluster's processes (no other Ray on the machine) and its PostgreSQL (cleanly; its data stays
+    for the next `up`)."""
+    from stepmill.fleet.keep_serving import stop_kept
     from stepmill.fleet.local_coordinator import coordinator_down
     from stepmill.fleet.local_ray import ray_down, temp_folder
 
     folder = Path(fleet_dir).expanduser().resolve()
     if not folder.is_dir():
         raise click.ClickException(f"stepmill fleet down: {folder} is not a folder `stepmill fleet up` made")
+    kept = stop_kept(str(folder / "nodes"))
+    if kept:
+        click.echo(f"kept serving: stopped for {', '.join(kept)}")
     stopped = ray_down(folder)
     click.echo(f"ray: {stopped} processes of the cluster in {temp_folder(folder)} stopped")
     click.echo(f"coordinator: {'stopped' if coordinator_down(folder) else 'was not running'} "

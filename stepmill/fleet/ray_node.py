@@ -28,7 +28,7 @@ import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from stepmill.children import die_with_parent, free_port
+from stepmill.children import die_with_parent, free_port, wait_up
 from stepmill.private_files import private_opener
 from stepmill.runner.agent_run import Job, Outcome, RunSite, register, run_one, white_box_tokenizer
 from stepmill.runner.config import Config
@@ -70,6 +70,7 @@ class Node:
         folder = Path(os.path.expanduser(node_dir))
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.folder = folder
+        self._coordinator_url = coordinator
         db = str(folder / f"{name}.db")
         from stepmill.store import Store
 
@@ -269,9 +270,10 @@ class Node:
         finally:
             store.close()
 
-    def stop(self) -> None:
+    def stop(self, keep: bool = False) -> None:
         """The node's proxy and serve stop (what they committed stays in the file); heartbeats and the
-        supervision end."""
+        supervision end. ``keep`` (``[run] serve = "keep"``, a rollout that ended): the file is served on
+        by a process of its own until its groups are consumed (``keep_serving.keep_after_rollout``)."""
         with self._spawning:
             self._stopped.set()
         stop_process(self.serve, 15)
@@ -280,24 +282,20 @@ class Node:
         if self._fleet is not None:
             if self.serve is not None:
                 self._event("serve_stopped", f"{self.serve_url}: the rollout ended")
+                if keep and self.lost is None:
+                    self._keep_serving()
             self._fleet.close()
 
+    def _keep_serving(self) -> None:
+        from stepmill.fleet.keep_serving import keep_after_rollout
 
-def wait_up(answers, process: subprocess.Popen, what: str, log, timeout: float = 60) -> None:
-    """Until ``answers()`` stops raising OSError; the process killed and RuntimeError when it exits or
-    the timeout passes."""
-    deadline = time.time() + timeout
-    while True:
-        if process.poll() is not None:  # whatever answers on its port now is not it
-            raise RuntimeError(f"{what} exited with {process.returncode} (its log: {log})")
         try:
-            answers()
+            pid = keep_after_rollout(self.name, str(self.folder), self.proxy.confdir, self._coordinator_url)
+        except Exception as exc:  # the rollout ends all the same; `stepmill fleet serve` can serve the file
+            self._event("serve_not_kept", f"{type(exc).__name__}: {exc}")
             return
-        except OSError:
-            if time.time() > deadline:
-                process.kill()
-                raise RuntimeError(f"{what} does not answer (its log: {log})") from None
-            time.sleep(0.2)
+        self._event("serve_kept", f"until its groups are consumed (pid {pid}; log {self.folder}/{self.name}.keep.log;"
+                                  " `stepmill fleet serve --stop` ends it)")
 
 
 def _ray_node_id() -> str | None:

@@ -86,6 +86,10 @@ def rollout_on_ray(config: Config, *, progress: bool = True) -> Report:
 
     mode = checked_isolation(config)
     run = config.run
+    coordinator_url = run.coordinator or os.environ.get("STEPMILL_COORDINATOR") or None
+    if run.serve == "keep" and not coordinator_url:
+        raise ConfigError('[run] serve = "keep" serves each node\'s file until the coordinator says its groups are'
+                          " consumed: it needs a coordinator ([run] coordinator or STEPMILL_COORDINATOR)")
     started_ray = not ray.is_initialized()
     if started_ray:
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -93,17 +97,19 @@ def rollout_on_ray(config: Config, *, progress: bool = True) -> Report:
         if threading.current_thread() is threading.main_thread():
             for sig, handler in handlers.items():  # the command's own Ctrl-C handling, not Ray's exit
                 signal.signal(sig, handler)
-    coordinator_url = run.coordinator or os.environ.get("STEPMILL_COORDINATOR") or None
     fleet = None
     actors: dict[str, object] = {}
+    keep = False  # the nodes' serves kept: only after a rollout that ended, not one stopped by Ctrl-C
     try:
         if coordinator_url:
             from stepmill.store.fleet_ledger import Coordinator
 
             fleet = Coordinator(coordinator_url)
-        return _drive(config, mode, progress, fleet, coordinator_url, actors)
+        report = _drive(config, mode, progress, fleet, coordinator_url, actors)
+        keep = run.serve == "keep"
+        return report
     finally:
-        _stop_nodes(actors)
+        _stop_nodes(actors, keep)
         if fleet is not None:
             fleet.close()
         if started_ray:
@@ -131,10 +137,10 @@ def _start_nodes(config: Config, coordinator_url: str | None, actors: dict) -> d
     return dict(zip(actors, wheres))
 
 
-def _stop_nodes(actors: dict) -> None:
+def _stop_nodes(actors: dict, keep: bool = False) -> None:
     import ray
 
-    stops = {name: actor.stop.remote() for name, actor in actors.items()}  # all at once, each waited for
+    stops = {name: actor.stop.remote(keep) for name, actor in actors.items()}  # all at once, each waited for
     for name, stop in stops.items():
         try:
             ray.get(stop, timeout=STOP_NODE_S)

@@ -58,6 +58,8 @@
     # node_dir = "/var/lib/stepmill"          # each node's SQLite file, on its local disk (WAL needs one)
     # coordinator = "postgresql://…"          # default: $STEPMILL_COORDINATOR; none: no fleet registry
     # retries = 2                             # a run cut by its node's proxy dying runs again, at most this often
+    # serve = "keep"                          # each node's file served on after the rollout, until its groups are
+                                              # consumed (`stepmill fleet serve --stop` ends it); default "stop"
 
     [[reward]]                                # as in `stepmill score`
     name = "math"
@@ -117,12 +119,14 @@ class RolloutSettings:
     node_dir: str = "~/.stepmill/nodes"  # Ray: each node's files, on that node's local disk
     coordinator: str | None = None  # Ray: the fleet's PostgreSQL (default: $STEPMILL_COORDINATOR)
     retries: int = 2  # Ray: how often a run cut by its node's proxy dying (or its task lost) runs again
+    serve: str = "stop"  # Ray: each node's serve stops with the rollout, or is kept until its groups are consumed
     runs_dir: str | None = None  # the runs' folders: new, empty or stepmill's (default: <database>.runs)
     keep_runs_days: float = 7  # stepmill's run folders older than this go when a rollout or Ray node starts; 0: kept
     max_new_tokens: int | None = None  # what one call may add to its prompt (context_fit.py)
 
 
 EXECUTORS = ("local", "ray")
+SERVE_AFTER = ("stop", "keep")
 
 
 @dataclass
@@ -215,7 +219,7 @@ def _check_executor(run: dict, data: dict, fail) -> None:
     executor = run.get("executor", "local")
     if executor not in EXECUTORS:
         fail("run", "executor", f"must be one of {', '.join(EXECUTORS)}")
-    ray_keys = ("ray_address", "runs_per_node", "node_dir", "coordinator", "retries")
+    ray_keys = ("ray_address", "runs_per_node", "node_dir", "coordinator", "retries", "serve")
     if executor != "ray":
         for key in ray_keys:
             if key in run:
@@ -230,6 +234,8 @@ def _check_executor(run: dict, data: dict, fail) -> None:
     if "retries" in run and not (isinstance(run["retries"], int) and not isinstance(run["retries"], bool)
                                  and run["retries"] >= 0):
         fail("run", "retries", "a whole number, 0 or more, is required")
+    if run.get("serve", "stop") not in SERVE_AFTER:
+        fail("run", "serve", f"must be one of {', '.join(SERVE_AFTER)}")
     if "coordinator" in run and not (isinstance(run["coordinator"], str)
                                      and re.match(r"postgres(ql)?://", run["coordinator"])):
         fail("run", "coordinator", "a postgresql:// URL is required")
