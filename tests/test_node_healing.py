@@ -73,6 +73,19 @@ def _gated_rows(files: dict[str, str]) -> tuple[int, Counter]:
     return with_ids, per_run
 
 
+def _latest_attempt(path: str, run: str) -> tuple[set, set]:
+    """(the run's steps the gate keeps, its steps started since its latest registration)."""
+    store = Store(path, readonly=True)
+    try:
+        since = store.registered_at(run)
+        kept = {step["id"] for step in store.iter_steps(gate=True, trajectory_id=run, with_tokens=False)}
+        latest = {row["id"] for row in store.query("SELECT id FROM steps WHERE trajectory_id = ? AND started_at >= ?",
+                                                   [run, since])}
+        return kept, latest
+    finally:
+        store.close()
+
+
 def _hold_port(port: int, timeout: float = 10.0) -> socket.socket:
     """A listening socket on the port a killed proxy had: its restarts cannot bind there. It closes every
     connection at once, as a port nobody serves would refuse it (a run's last call fails, it does not hang)."""
@@ -154,8 +167,10 @@ def test_a_killed_node_proxy_is_restarted_and_its_runs_run_again(ray_cluster, ur
         shown.stdout
     assert "LOST" not in shown.stdout and "DOES NOT ANSWER" in shown.stdout  # the rollout's serves stopped with it
 
-    # Trainers consume every group: once each, every row once. A rerun's cut attempt is labelled bad,
-    # so a rerun trajectory has as many gated steps as its group mate (the simulated LLM answers alike).
+    # Trainers consume every group: once each, every row once. A rerun's cut attempt is out of the gate:
+    # what the gate keeps of a rerun is exactly the calls of its latest attempt. (Not "as many as its group
+    # mate": the simulated LLM flips the k-th coin for the k-th asking of a prompt, so a rerun may answer
+    # in one call where its mate used a tool.)
     # The nodes' files are served again by `stepmill fleet serve` (ids and URLs from the coordinator),
     # which stops by itself once every group is consumed.
     token = (tmp_path / "mitm" / "stepmill-token").read_text().strip()
@@ -182,8 +197,8 @@ def test_a_killed_node_proxy_is_restarted_and_its_runs_run_again(ray_cluster, ur
     with_ids, per_run = _gated_rows(files)
     assert sum(e["rows"] for e in acked) == with_ids > 0
     for run in reruns:
-        mate = run[:-1] + ("1" if run.endswith("0") else "0")
-        assert per_run[node, run] == per_run[node, mate] > 0, (run, per_run)
+        kept, latest = _latest_attempt(files[node], run)
+        assert per_run[node, run] == len(latest) > 0 and kept == latest, (run, kept, latest)
     assert not _left_behind(str(tmp_path / "nodes")), "stepmill fleet serve left a serve running"
 
 
