@@ -78,7 +78,7 @@ def _latest_attempt(path: str, run: str) -> tuple[set, set]:
     store = Store(path, readonly=True)
     try:
         since = store.registered_at(run)
-        kept = {step["id"] for step in store.iter_steps(gate=True, trajectory_id=run, with_tokens=False)}
+        kept = {step["step_id"] for step in store.iter_steps(gate=True, trajectory_id=run, with_tokens=False)}
         latest = {row["id"] for row in store.query("SELECT id FROM steps WHERE trajectory_id = ? AND started_at >= ?",
                                                    [run, since])}
         return kept, latest
