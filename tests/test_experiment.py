@@ -51,7 +51,7 @@ def test_a_wrong_file_is_refused_naming_what_is_wrong(data, message):
 @pytest.mark.parametrize("runtime", ["black-box", "white-box", "aider"])
 @pytest.mark.parametrize("dataset", list(catalog.DATASETS))
 def test_each_cells_rollout_file_is_read_by_the_runner_and_the_trainer(tmp_path, dataset, runtime):
-    from stepmill.rewards.scoring import load_config
+    from stepmill.rewards.scoring import reward_specs
     from stepmill.runner.config import load
     from stepmill.train.config import load_train
 
@@ -64,10 +64,11 @@ def test_each_cells_rollout_file_is_read_by_the_runner_and_the_trainer(tmp_path,
     settings = spec.parse({"default": the_cell.__dict__}, "x").settings
     path.write_text(cell.rollout_toml(the_cell, 7, settings, base_url="http://127.0.0.1:9/v1", model="m",
                                       model_dir=tmp_path / "model"))
-    config, train = load(path), load_train(path)
+    config = load(path)
+    train = load_train(config)  # the file parsed once, as `stepmill train` does
     assert config.run.dataset == dataset and config.run.n == 4 and len(config.tasks(dataset)) == 3
     assert train.method == "rloo" and train.seed == 7 and train.iterations == 10 and train.control
-    [reward] = load_config(path, other_sections=True)  # as each round scores it
+    [reward] = reward_specs(config.tables, path, other_sections=True)  # as each round scores it
     assert f"{reward.function.__module__}:{reward.function.__name__}" == catalog.DATASETS[dataset].reward
     task = json.loads(catalog.tasks_text(dataset, 1))  # the task's fields are its trajectory's metadata
     assert reward.function({"metadata": task, "completion": {"content": "cat table"}})[0] > 0

@@ -49,7 +49,7 @@ def train(config_path, db, no_progress, name, resume, **overrides):
     from stepmill.train.summary import summary_table
 
     config = load(config_path)
-    settings = load_train(config_path, **overrides)
+    settings = load_train(config, **overrides)  # the file parsed once, by load()
     stop_on_signals()
     outcome = train_loop(config, settings, db=db, progress=not no_progress, name=name, resume=resume)
     click.echo(summary_table(outcome))

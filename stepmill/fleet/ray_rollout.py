@@ -242,9 +242,9 @@ class Rollout:
             self.secrets.update(secrets)
         self.specs = []
         if config.rewards:
-            from stepmill.rewards.scoring import load_config
+            from stepmill.rewards.scoring import reward_specs
 
-            self.specs = load_config(config.path, other_sections=True)
+            self.specs = reward_specs(config.tables, config.path, other_sections=True)
         self.rewards: dict[str, list[int]] = {spec.name: [0, 0] for spec in self.specs}
         self.left = {group: sum(job.trajectory not in complete for job in members)
                      for group, members in self.by_group.items()}

@@ -42,12 +42,18 @@ class RewardSpec:
     options: dict = field(default_factory=dict)
 
 
-def load_config(path: str | Path, *, other_sections: bool = False) -> list[RewardSpec]:
-    """The [[reward]] tables of a file (``other_sections``: a rollout configuration has more)."""
+def load_config(path: str | Path) -> list[RewardSpec]:
+    """The [[reward]] tables of a rewards file (nothing else in it)."""
     try:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    return reward_specs(data, path)
+
+
+def reward_specs(data: dict, path: str | Path, *, other_sections: bool = False) -> list[RewardSpec]:
+    """The [[reward]] tables of a file as parsed (``other_sections``: a rollout configuration's, which has
+    more: ``Config.tables``)."""
     unknown = set(data) - {"reward"}
     if unknown and not other_sections:
         raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r}; rewards go in [[reward]] tables")

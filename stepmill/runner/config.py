@@ -143,6 +143,8 @@ class Config:
     # dataset name -> folders of the library that made it (its data, or code that makes every answer
     # again): no run needs them, and a run that reads them has the answers
     library_paths: dict = field(default_factory=dict)
+    # the file as parsed, once: [train] and [[reward]] are read from here (``load_train``, ``reward_specs``)
+    tables: dict = field(default_factory=dict)
 
     def tasks(self, dataset: str) -> list[dict]:
         """The dataset's tasks, each with an ``id`` and a ``prompt`` (JSONL, or Parquet with pyarrow)."""
@@ -389,4 +391,4 @@ def load(path: str | Path) -> Config:
     if isolation.get("mode") == "container" and "prefix" not in isolation:
         fail("isolation", "prefix", "mode = container needs the container command as prefix")
     return Config(path, agents, datasets, RolloutSettings(**run), data.get("proxy", {}), bool(data.get("reward")),
-                  EngineRoute(**route), publics, Isolation(**isolation), library_paths=library_paths)
+                  EngineRoute(**route), publics, Isolation(**isolation), library_paths=library_paths, tables=data)

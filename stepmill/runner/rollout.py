@@ -230,11 +230,11 @@ def _score(config: Config, db: str, dataset: str) -> str:
     reason (nothing is lost: the same command scores them once it can)."""
     from stepmill.errors import StoreUnavailable
     from stepmill.store import Store
-    from stepmill.rewards.scoring import load_config, score
+    from stepmill.rewards.scoring import reward_specs, score
 
     store = Store(db)
     try:
-        reports = score(store, load_config(config.path, other_sections=True), id_prefix=f"{dataset}-",
+        reports = score(store, reward_specs(config.tables, config.path, other_sections=True), id_prefix=f"{dataset}-",
                         progress=False)
     except StoreUnavailable as exc:  # the file cannot be written now (full, locked)
         return str(exc)

@@ -197,14 +197,19 @@ def _cuda_index(device: str) -> bool:
     return prefix == "cuda" and number.isdigit()
 
 
-def load_train(path: str | Path, **overrides) -> TrainConfig:
-    """The file's ``[train]`` table, ``overrides`` (the command line; None means not given) on top,
-    checked. A relative ``model`` is relative to the file."""
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text()).get("train", {})
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+def load_train(source, **overrides) -> TrainConfig:
+    """The ``[train]`` table of a rollout configuration already read (a runner ``Config``: the file is
+    parsed once) or of a file, ``overrides`` (the command line; None means not given) on top, checked.
+    A relative ``model`` is relative to the file."""
+    if hasattr(source, "tables"):
+        path, data = Path(source.path), source.tables.get("train", {})
+    else:
+        path = Path(source)
+        try:
+            data = tomllib.loads(path.read_text()).get("train", {})
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    data = dict(data)  # the overrides and the resolved model go on a copy, never on the parsed file
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: [train] must be a table")
     known = {f.name for f in fields(TrainConfig)}

@@ -13,11 +13,16 @@ held are aborted (async), and the run stops with the SyncError that names the ve
 A paired control runs the same rounds (same tasks, same seeds) from the same starting weights with
 no optimizer step, on its own channel, so its reward per version is the baseline the run is read
 against. Every number is recorded per version in the store (``train_metrics``) for both runs.
+
+The loop's pieces, each in its module: a round as a rollout (``rounds.py``), where the groups come
+from (``consumers.py``), the policy and its optimizer step (``policy.py``), the engine's weight sync
+and its probe (``engine_sync.py``), checkpoints and resume (``checkpoint.py``), what is measured of a
+batch (``signals.py``). The rollout configuration is parsed once (``runner.config.load``); its [train]
+table (``load_train``) and [[reward]] tables (``rewards.scoring.reward_specs``) are read from that.
 """
 
 from __future__ import annotations
 
-import copy
 import sys
 import threading
 import time
@@ -30,6 +35,8 @@ from stepmill.runner.rollout import rollout_through
 from stepmill.store import Store
 from stepmill.train.config import LoraConfig, TrainConfig
 from stepmill.train.checkpoint import Resume
+from stepmill.train.consumers import group_consumer
+from stepmill.train.rounds import round_config
 from stepmill.train.signals import mean_reward, response_signals
 
 
@@ -46,27 +53,7 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def round_config(config: Config, run: str, number: int, *, channel: str, version: int | None,
-                 dataset: str | None = None, seed: int | None = None, model: str | None = None) -> Config:
-    """The rollout of one round: the dataset's tasks under ids of their own (``<run>-r<k>-<dataset>-…``),
-    on ``channel``, stamped with ``version`` (None: whatever version is in force when each call starts),
-    the agents calling ``model`` (a LoRA run's adapter; None: the rollout's own model)."""
-    round_ = copy.copy(config)
-    round_.run = copy.copy(config.run)
-    source = dataset or config.run.dataset
-    name = f"{run}-r{number}-{source}"
-    round_.datasets = {**config.datasets, name: config.datasets[source]}
-    round_.public = {**config.public, name: config.public.get(source, [])}
-    round_.library_paths = {**config.library_paths, name: config.library_paths.get(source, [])}  # hidden from runs
-    round_.run.dataset, round_.run.channel = name, channel
-    round_.run.policy_version = None if version is None else str(version)
-    round_.run.model = model or config.run.model
-    # the same round of a run and of its paired control draws with the same seeds
-    round_.run.seed = None if seed is None else seed * 1_000_003 + number
-    return round_
-
-
-def engine_sync(train: TrainConfig, url: str, served_model: str):
+def engine_for(train: TrainConfig, url: str, served_model: str):
     """How the engine gets each new policy: vLLM's in-place reload of the full weights, or its in-place load
     of a LoRA adapter (``[train.lora]``, ``VLLMSync.sync_lora``), verified by the probe."""
     from stepmill.train.engine_sync import VLLMSync
@@ -95,33 +82,12 @@ class Loop:
         self.resume = Resume(proxy.db, run, self.policy, resume=resume)  # the last checkpoint's state, restored
         if self.resume.version and progress:
             say(f"[{run}] resumed from version {self.resume.version} (checkpoint in {self.resume.folder})")
-        self.engine = engine_sync(train, train.engine or origin(config.route.base_url), config.run.model)
+        self.engine = engine_for(train, train.engine or origin(config.route.base_url), config.run.model)
         # a LoRA run's versions are an adapter the engine serves under a name of the run's own
         self.model = LoraConfig.served_name(config.run.model, run) if train.lora else None
-        self.consumer = self._consumer()
+        self.consumer = group_consumer(train, self.store, f"{run}-trainer", n=config.run.n, channel=self.channel)
         self.version = 0
         self.reports: list[VersionReport] = []
-
-    def _consumer(self):
-        kind = self.train.consumer
-        name = f"{self.run}-trainer"
-        staleness = self.train.max_staleness if self.train.mode == "async" else None
-        if kind == "local":
-            from stepmill.trainer_bridge.consume import Consumer
-
-            return Consumer(self.store, name, n=self.config.run.n, channel=self.channel, max_staleness=staleness,
-                            scored=True)
-        if kind.startswith(("http://", "https://")):
-            from stepmill.fleet.node_consumer import NodeConsumer
-
-            return NodeConsumer(kind, name, n=self.config.run.n, channel=self.channel, max_staleness=staleness,
-                                scored=True)
-        if kind.startswith(("postgres://", "postgresql://")):
-            from stepmill.fleet.remote_consumer import RemoteConsumer
-
-            # the coordinator hands out a node's groups once they are complete and scored
-            return RemoteConsumer(kind, name, channel=self.channel, max_staleness=staleness)
-        raise ConfigError(f"[train] consumer: local, an http(s):// serve URL or a postgresql:// coordinator, not {kind!r}")
 
     # -- the pieces of one iteration ------------------------------------------------------------
     def serve(self, version: int) -> dict:
@@ -304,6 +270,9 @@ class Loop:
                     batches = self.consume(groups, wait_s=5)
                 metrics = {**self.measure(batches), **synced, "rounds_done": rounds["done"]}
                 metrics.update(self.learn(batches, metrics))
+                if self.train.val_every and version % self.train.val_every == 0:
+                    # beside the rounds still rolling out: the engine serves this version until serve() below
+                    metrics["val_reward"] = self.validate(version)
                 self.record(version, metrics)
                 synced = self.serve(version + 1)
         finally:
@@ -337,13 +306,15 @@ class Loop:
 
 
 @dataclass
-class Outcome:
+class Trained:
+    """What `stepmill train` gave: the run's versions and its paired control's (None: no control)."""
+
     run: list[VersionReport]
     control: list[VersionReport] | None
 
 
 def train_loop(config: Config, train: TrainConfig, *, db: str | None = None, progress: bool = True,
-               name: str = "train", resume: bool = False) -> Outcome:
+               name: str = "train", resume: bool = False) -> Trained:
     """The control (when asked) then the run, from the same starting weights, through one proxy;
     ``resume``: each from its last checkpoint (a finished one is read back from the store)."""
     proxy = ProxyHandle(config, db)
@@ -360,6 +331,6 @@ def train_loop(config: Config, train: TrainConfig, *, db: str | None = None, pro
                 result = reports
             else:
                 control = reports
-        return Outcome(result, control)
+        return Trained(result, control)
     finally:
         proxy.close()

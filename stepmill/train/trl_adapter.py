@@ -44,7 +44,7 @@ from stepmill.runner.config import Config
 from stepmill.runner.proxy_handle import ProxyHandle, origin
 from stepmill.runner.rollout import rollout_through
 from stepmill.store import Store
-from stepmill.train.loop import round_config
+from stepmill.train.rounds import round_config
 from stepmill.trainer_bridge.consume import Consumer
 from stepmill.trainer_bridge.layouts import rows_from_step_batch
 
