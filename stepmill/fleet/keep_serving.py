@@ -134,8 +134,11 @@ def keep_pid_file(node_dir: str, node_id: str) -> Path:
     return Path(node_dir).expanduser() / f"{node_id}.keep.pid"
 
 
+KEEP_UP_S = 90.0  # how long a kept serving may take to answer before the node gives up on it
+
+
 def keep_after_rollout(node_id: str, node_dir: str, confdir: str, coordinator_url: str,
-                       timeout: float = 120.0) -> int:
+                       timeout: float = KEEP_UP_S) -> int:
     """The node's file served on, after its rollout, by a `stepmill fleet serve --node <id> --until-consumed`
     of its own session (it outlives the Ray worker that starts it: an intermediate process that exits at
     once leaves it to init, so no worker cleanup reaches it); returns its pid (also in the pid file) once

@@ -140,10 +140,12 @@ def _start_nodes(config: Config, coordinator_url: str | None, actors: dict) -> d
 def _stop_nodes(actors: dict, keep: bool = False) -> None:
     import ray
 
+    from stepmill.fleet.keep_serving import KEEP_UP_S
+
     stops = {name: actor.stop.remote(keep) for name, actor in actors.items()}  # all at once, each waited for
     for name, stop in stops.items():
         try:
-            ray.get(stop, timeout=STOP_NODE_S)
+            ray.get(stop, timeout=STOP_NODE_S + (KEEP_UP_S if keep else 0))
         except Exception as exc:  # a node that never started or is gone: its processes went with its actor
             print(f"stepmill: {name}: {str(exc).strip().splitlines()[0]}", file=sys.stderr, flush=True)
     for actor in actors.values():
