@@ -1,7 +1,8 @@
 """`[run] serve = "keep"`: a Ray rollout's nodes keep serving their files after the rollout ends, until
 the coordinator says their groups are consumed, so a trainer still consuming needs nothing started by
-hand; `stepmill fleet serve --stop` ends one node's serving early, and `stepmill fleet serve --node`
-serves it again.
+hand; the next rollout on a node stops its earlier keeper (it serves the file itself while it runs),
+`stepmill fleet serve --stop` ends one node's serving early, and `stepmill fleet serve --node` serves it
+again.
 
 A local two-node Ray cluster, a real PostgreSQL coordinator, the shipped tool-loop agent against the
 simulated LLM, a trainer (`RemoteConsumer`) in its own process that starts after the rollout exited.
@@ -23,17 +24,20 @@ pytest.importorskip("ray", reason="Ray is an optional extra: pip install 'stepmi
 pytestmark = pytest.mark.slow
 
 
-def _keeper(nodes: Path, node: str) -> int | None:
-    """The pid of the node's keeper while it runs (its pid file names a live `fleet serve --node` of it)."""
-    pid_file = nodes / f"{node}.keep.pid"
-    if not pid_file.exists():
-        return None
-    pid = int(pid_file.read_text())
+def _keeps(pid: int, node: str) -> bool:
+    """Whether the process is alive and a `fleet serve --node` of the node."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
-        return None
-    return pid if node.encode() in argv and b"fleet" in argv else None
+        return False
+    return node.encode() in argv and b"fleet" in argv
+
+
+def _keeper(nodes: Path, node: str) -> int | None:
+    """The pid of the node's keeper while it runs (its pid file names a live `fleet serve --node` of it)."""
+    pid_file = nodes / f"{node}.keep.pid"
+    pid = int(pid_file.read_text()) if pid_file.exists() else None
+    return pid if pid and _keeps(pid, node) else None
 
 
 @pytest.mark.timeout(600)
@@ -56,6 +60,14 @@ def test_kept_serves_outlive_the_rollout_until_a_trainer_consumed_every_group(ra
     for node in files:
         assert f"node {node}: serve kept: until its groups are consumed" in shown.stdout, shown.stdout
     assert "DOES NOT ANSWER" not in shown.stdout, shown.stdout
+
+    # The same rollout again (every run done earlier): its nodes serve their files themselves while it runs,
+    # so the earlier keepers stop as it starts; new ones keep serving after it.
+    resumed = _rollout(config)
+    assert resumed.returncode == 0 and "8 done earlier" in resumed.stderr, resumed.stderr
+    earlier, kept = kept, {node: _keeper(nodes, node) for node in files}
+    assert all(kept.values()) and not set(kept.values()) & set(earlier.values()), (earlier, kept)
+    assert not any(_keeps(pid, node) for node, pid in earlier.items()), earlier
 
     # One node's serving stopped early; `fleet serve --node` serves it again, from the coordinator's URL.
     stopped_node, other = sorted(files)

@@ -75,6 +75,9 @@ class Node:
         from stepmill.store import Store
 
         Store(db).close()  # the file and its schema made once, before the proxy's workers open it together
+        from stepmill.fleet.keep_serving import stop_kept
+
+        stop_kept(str(folder), [name])  # an earlier rollout's kept serving of this file: this rollout serves it now
         # The node's own proxy on its own file; [proxy] confdir and args apply on every node.
         self.proxy = ProxyHandle(replace(config, proxy={k: v for k, v in config.proxy.items()
                                                         if k not in ("url", "db")}), db)
