@@ -95,7 +95,7 @@ def test_a_lora_folder_is_what_vllm_reads(tmp_path):
 
 # The servers: dev mode, the worker extension; LoRA on the untied one.
 
-def _start(tmp_path_factory, request, name: str, *, tied: bool, lora: bool):
+def _start(tmp_path_factory, request, name: str, *, tied: bool, lora: bool, dtype: str = "float32"):
     from stepmill.demo.main import ENGINE_INSTALL, start_vllm, vllm_python
     from stepmill.qwen_vocab import default_folder
 
@@ -104,7 +104,8 @@ def _start(tmp_path_factory, request, name: str, *, tied: bool, lora: bool):
         missing(f"vLLM is not installed: run {ENGINE_INSTALL} (it makes .engines/vllm)")
     try:
         server = start_vllm(tmp_path_factory.mktemp(name), tokenizer=default_folder(), python=python, timeout=900,
-                            tied=tied, dev_mode=True, worker_extension=True, enable_lora=lora, max_lora_rank=8)
+                            tied=tied, dev_mode=True, worker_extension=True, enable_lora=lora, max_lora_rank=8,
+                            dtype=dtype)
     except RuntimeError as exc:
         pytest.fail(f"the real vLLM did not start: {exc}", pytrace=False)
     return server
@@ -119,11 +120,12 @@ def _stop(server, request) -> None:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory, request):
-    """One server at a time (pytest runs a module-scoped parameter's tests together): "tied", or
-    "untied", which also serves LoRA adapters."""
+    """One server at a time (pytest runs a module-scoped parameter's tests together): "tied", "untied",
+    which also serves LoRA adapters, or "tied-bf16", the tied model served in bfloat16."""
     pytest.importorskip("torch")
     kind = request.param
-    server = _start(tmp_path_factory, request, kind, tied=kind == "tied", lora=kind == "untied")
+    server = _start(tmp_path_factory, request, kind, tied=kind.startswith("tied"), lora=kind == "untied",
+                    dtype="bfloat16" if kind.endswith("bf16") else "float32")
     yield server
     _stop(server, request)
 
@@ -131,6 +133,7 @@ def engine(tmp_path_factory, request):
 BOTH = pytest.mark.parametrize("engine", ["tied", "untied"], indirect=True)
 TIED = pytest.mark.parametrize("engine", ["tied"], indirect=True)
 UNTIED = pytest.mark.parametrize("engine", ["untied"], indirect=True)
+BF16 = pytest.mark.parametrize("engine", ["tied-bf16"], indirect=True)
 
 
 @pytest.fixture
@@ -350,3 +353,32 @@ def test_a_lora_adapter_is_loaded_in_place_and_verified(engine, syncs, request):
     sync.resume()
     again = _answer(engine, "policy")  # the name still serves the last verified adapter
     assert again[0] == second_answer[0] and again[1] == pytest.approx(second_answer[1], abs=TOLERANCE)
+
+
+# ------------------------------------------------------------------------------ bfloat16 on both sides
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@BF16
+def test_bf16_on_both_sides_syncs_within_the_bf16_tolerance(engine, syncs, request):
+    """The trainer holds the weights in bfloat16 and the engine serves them in bfloat16: each sync's probe
+    gap is within the tolerance `[train] dtype = "bfloat16"` gives the probe, and the gap measured is
+    recorded (docs/training/index.md states it)."""
+    from transformers import Qwen2ForCausalLM
+
+    from stepmill.train.config import TrainConfig
+
+    torch = pytest.importorskip("torch")
+    tolerance = TrainConfig(model=str(engine.model_dir), dtype="bfloat16").check().probe_tolerance()
+    model = Qwen2ForCausalLM.from_pretrained(engine.model_dir, torch_dtype=torch.bfloat16)
+    sync = syncs(engine, tolerance=tolerance)
+    gaps = [sync.sync(model, "bf16-base").gap]
+    _train(torch, model, seed=1, lr=0.5)
+    report = sync.sync(model, "bf16-step-1")
+    _timings(request, report)
+    gaps.append(report.gap)
+    request.node.user_properties.append(("bf16_gaps", gaps))
+    sys.__stderr__.write(f"\nbf16 on both sides: probe gaps {gaps} (tolerance {tolerance})\n")
+    assert all(gap <= tolerance for gap in gaps), (gaps, tolerance)
+    assert sync.weight_version() == "bf16-step-1"

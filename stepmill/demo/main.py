@@ -135,7 +135,8 @@ class VLLMServer:
 
     def __init__(self, model_dir: Path, log: Path, *, python: Path, name: str = VLLM_MODEL, port: int | None = None,
                  max_model_len: int = 32768, extra: tuple[str, ...] = (), dev_mode: bool = False,
-                 worker_extension: bool = False, enable_lora: bool = False, max_lora_rank: int = 16):
+                 worker_extension: bool = False, enable_lora: bool = False, max_lora_rank: int = 16,
+                 dtype: str = "float32"):
         self.model_dir, self.log, self.name = Path(model_dir), Path(log), name
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
@@ -145,7 +146,7 @@ class VLLMServer:
                    TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1",
                    "--port", str(self.port), "--model", str(self.model_dir), "--served-model-name", name,
-                   "--dtype", "float32", "--max-model-len", str(max_model_len), "--seed", "0",
+                   "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0",
                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
         if dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -193,7 +194,7 @@ class VLLMServer:
 def start_vllm(folder: Path, *, tokenizer: Path | None = None, python: Path | None = None, name: str = VLLM_MODEL,
                max_new_tokens: int = 64, timeout: float = 600, tied: bool = True, warm_start: bool = False,
                dev_mode: bool = False, worker_extension: bool = False, enable_lora: bool = False,
-               max_lora_rank: int = 16) -> VLLMServer:
+               max_lora_rank: int = 16, dtype: str = "float32") -> VLLMServer:
     """Write the random Qwen2 model into ``folder``/model and serve it with the real vLLM (about two
     minutes to ready on two cores). ConfigError with the install command when the engine is missing.
     ``tied``, ``warm_start`` and the server's options as in write_random_qwen2 and VLLMServer."""
@@ -209,7 +210,8 @@ def start_vllm(folder: Path, *, tokenizer: Path | None = None, python: Path | No
     model = write_random_qwen2(folder / "model", tokenizer, python=python, max_new_tokens=max_new_tokens, tied=tied,
                                warm_start=warm_start)
     server = VLLMServer(model, folder / "vllm.log", python=python, name=name, dev_mode=dev_mode,
-                        worker_extension=worker_extension, enable_lora=enable_lora, max_lora_rank=max_lora_rank)
+                        worker_extension=worker_extension, enable_lora=enable_lora, max_lora_rank=max_lora_rank,
+                        dtype=dtype)
     try:
         return server.wait(timeout)
     except BaseException:
