@@ -1,7 +1,8 @@
 """CI's experiment cell: the shipped command on the shipped stepmill/data/experiments.ci.toml (the default
 cell, one seed, two versions) end to end on the real vLLM: the run and its paired control trained and
-measured, their result kept, the report and the plot written; a second invocation finds it done and
-starts no engine."""
+measured, every group acknowledged once, their result kept, the report and the plot written; a second
+invocation finds it done and starts no engine. It is CI's closed loop in sync mode with the black-box agent
+through the proxy (tests/test_train_loop.py runs the async, white-box one)."""
 
 import json
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 from .conftest import STEPMILL
 from .real_engine import missing
+from .test_train_loop import acked_once
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -40,6 +42,9 @@ def test_the_ci_cell_end_to_end(tmp_path):
     trained = [row for row in result["run"] if "train_s" in row]
     assert len(trained) == 2 and all(row["tokens"] > 0 and row["sync_s"] > 0 for row in trained)
     assert max(row["rollout_gap"] for row in trained) < 1e-3  # each token checked against its version's weights
+    # every group of the run and of its control (three versions of two prompts each) acknowledged exactly once
+    db = folder / "runs" / CELL / "seed-0" / "stepmill.db"
+    assert acked_once(db, "train") == acked_once(db, "train-control") == (6, 6)
     assert f"--cell {CELL} --seed 0 --again" in result["command"] and result["wall_s"] > 0
     report = (folder / "report.md").read_text()
     assert f"| `{CELL}` | 1 |" in report and result["command"] in report

@@ -2,11 +2,16 @@
 policy in place (verified), the next rollouts carry its version, and reward rises against a paired
 control (same tasks and seeds, no optimizer step).
 
-Two runs cover the matrix: a tied model with a black-box agent (its calls through the proxy) in sync
-mode, and an untied model with a white-box agent (its token ids submitted) in async mode. The task is
-``topic_words`` on the bundled ``animals16`` prompts: sixteen different animals, which padding and
-repetition cannot win. Both models start from the warm-started base (stepmill.demo.warm_start), and so
-does each control.
+The run here is an untied model with a white-box agent (its token ids submitted) in async mode, held out
+on a val dataset every 5 versions. Its counterpart — a tied model with a black-box agent (its calls
+through the proxy) in sync mode — is the experiments' default cell, which CI runs end to end through the
+shipped `stepmill experiment` command (tests/test_experiment_run.py: every version served and verified,
+every sampled token against its version's weights, every group acknowledged once) and whose learning
+over seeds is docs/experiments.md's; it ran here too, beside this one, until CI's hour needed its ten
+minutes (``CASES`` takes it back: ``"tied-black-box-sync": ("tied_engine", "black-box", "sync")``).
+The task is ``topic_words`` on the bundled ``animals16`` prompts: sixteen different animals, which
+padding and repetition cannot win. The model starts from the warm-started base
+(stepmill.demo.warm_start), and so does the control.
 """
 
 from __future__ import annotations
@@ -119,8 +124,7 @@ def acked_once(db: Path, channel: str) -> tuple[int, int]:
     return len(groups), sum(1 for g in groups if acked.count(g) == 1)
 
 
-CASES = {"tied-black-box-sync": ("tied_engine", "black-box", "sync"),
-         "untied-white-box-async": ("untied_engine", "white-box", "async")}
+CASES = {"untied-white-box-async": ("untied_engine", "white-box", "async")}
 
 
 @pytest.fixture(scope="module")
