@@ -29,7 +29,7 @@ def test_the_example_varies_each_factor_around_the_default():
     assert {c.runtime for c in experiment.cells()} == {"black-box", "white-box", "aider"}
     # every cell differs from the default in one factor at most
     assert all(sum(getattr(c, f) != getattr(experiment.default, f) for f in spec.FACTORS) <= 1 for c in experiment.cells())
-    assert experiment.seeds == [0, 1, 2] and len(spec.load(CI).cells()) == 1
+    assert experiment.seeds == [0, 1, 2, 3, 4] and len(spec.load(CI).cells()) == 1
 
 
 @pytest.mark.parametrize("data,message", [
@@ -142,14 +142,15 @@ def test_a_finished_run_is_skipped_and_its_control_shared_by_the_other_methods(t
                                         "--cell", default.name], capture_output=True, text=True)
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.splitlines() == [f"{default.name} seed 0: to run", f"{default.name} seed 1: done (100 s)",
-                                          f"{default.name} seed 2: to run"]
+                                          f"{default.name} seed 2: to run", f"{default.name} seed 3: to run",
+                                          f"{default.name} seed 4: to run"]
     rloo = spec.Cell(default.dataset, "rloo", default.runtime)
     assert cell.shared_control(tmp_path, experiment, rloo, 1)["cell"] == default.name
     assert cell.shared_control(tmp_path, experiment, rloo, 0) is None
     assert cell.shared_control(tmp_path, experiment, spec.Cell("words8", "grpo", default.runtime), 1) is None
     reported = subprocess.run(STEPMILL + ["experiment", str(EXAMPLE), "--folder", str(tmp_path), "--report"],
                               capture_output=True, text=True)
-    assert reported.returncode == 0 and "1 of 24 runs finished, 0 to run" in reported.stderr, reported.stderr
+    assert reported.returncode == 0 and "1 of 40 runs finished, 0 to run" in reported.stderr, reported.stderr
     assert f"| `{default.name}` | 1 |" in (tmp_path / "report.md").read_text()
 
 
