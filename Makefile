@@ -2,7 +2,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo proxy ui docs docs-build test test-fast test-slow bench bench-proxy bench-store bench-ui bench-engine bench-train bench-loop
+.PHONY: demo proxy ui docs docs-build test test-fast test-slow bench bench-proxy bench-store bench-ui bench-engine bench-train bench-loop bench-trl
 
 # Made where it really is (.ci/run may link .venv to its cache): a venv's scripts name its path.
 $(PY): pyproject.toml
@@ -58,3 +58,6 @@ bench-train: $(PY)
 
 bench-loop: $(PY)
 	.ci/python-torch -m bench.loop_bench
+
+bench-trl: $(PY)
+	.ci/python-torch -m bench.trl_compare
