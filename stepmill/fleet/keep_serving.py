@@ -30,9 +30,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from stepmill.children import die_with_parent, free_port, wait_up
+from stepmill.errors import StoreUnavailable
 from stepmill.private_files import private_opener
 from stepmill.runner.proxy_handle import stop_process
-from stepmill.errors import StoreUnavailable
 from stepmill.store.fleet_ledger import ENV
 
 
