@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from stepmill.children import free_port
 from stepmill.store import Store
@@ -25,6 +26,10 @@ TESTS = Path(__file__).parent
 STEPMILL = [sys.executable, "-m", "stepmill.cli"]
 # The Qwen2 tokenizer is built once per test session, never in the user's own cache.
 os.environ.setdefault("STEPMILL_CACHE", tempfile.mkdtemp(prefix="stepmill-test-cache-"))
+# Property tests check what they generate, not how fast: on a machine busy with other work (CI's is) a
+# generated case may take seconds, which is no failure of the code under test.
+settings.register_profile("stepmill", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("stepmill")
 
 
 def wait_until(check, timeout: float = 15.0, interval: float = 0.05, what: str = "condition"):

@@ -159,3 +159,24 @@ def test_an_unknown_cell_or_seed_is_refused():
         done = subprocess.run(STEPMILL + ["experiment", str(EXAMPLE), option, value, "--list"], capture_output=True,
                               text=True)
         assert done.returncode == 1 and message.replace("\\", "") in done.stderr.replace("\\", ""), done.stderr
+
+
+def test_the_training_demo_runs_the_default_cell_and_says_if_its_margin_excludes_zero():
+    from stepmill.demo.training import default_cell, margin_verdict
+
+    shipped = spec.load(EXAMPLE)
+    experiment, demo_cell = default_cell(tasks=None, n=None, iterations=3, concurrency=None)
+    assert demo_cell == shipped.default
+    assert experiment.settings == {**shipped.settings, "iterations": 3}
+    one = [result("c", 0, [0.1, 0.2, 0.3, 0.4], [0.1] * 4)]
+    assert margin_verdict(one) == "margin over the control +0.200 (one seed: run more seeds for an interval)"
+    apart = [result("c", s, [0.1, 0.2, 0.3, 0.4 + s / 100], [0.1] * 4) for s in range(3)]
+    assert margin_verdict(apart).endswith("excludes zero: learning")
+    noisy = [result("c", s, [0.1, 0.1, 0.1, 0.1], [0.1, 0.1, 0.1, r]) for s, r in enumerate((0.0, 0.2, 0.05))]
+    assert margin_verdict(noisy).endswith("reaches zero: not distinguishable from noise")
+    assert "margin +0.200" in stats.seed_line(one[0]) and "last 3 versions: reward 0.3000" in stats.seed_table(one[0])
+
+
+def test_the_training_demo_needs_the_real_engine():
+    done = subprocess.run(STEPMILL + ["demo", "--train", "--seed", "1"], capture_output=True, text=True)
+    assert done.returncode != 0 and "--train closes the loop on the real engine: add --engine vllm" in done.stderr

@@ -59,11 +59,14 @@ def rollout(config_path, db, runs_dir, no_progress):
 @click.option("--engine", type=click.Choice(["simulated", "vllm"]), default="simulated", show_default=True,
               help="The LLM: the simulated one, or the real vLLM from .engines/vllm (`.ci/install-engines`) on a "
                    "random-weight Qwen2 model it writes.")
-@click.option("--train", is_flag=True, help="With --engine vllm: close the loop instead (stepmill train on the "
-                                            "animals16 prompts, beside its paired control; about ten minutes).")
+@click.option("--train", is_flag=True, help="With --engine vllm: close the loop instead: the experiments' default cell "
+                                            "(GRPO on the animals16 prompts, the black-box tool loop), each seed beside "
+                                            "its paired control; about ten minutes a seed.")
+@click.option("--seed", "seeds", type=int, multiple=True,
+              help="--train: the seed of a run and its control (repeat for more: the margin's interval). Default: 0.")
 @click.option("--iterations", default=10, show_default=True, type=click.IntRange(1, 200),
               help="--train: policy versions to train.")
-def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait, engine, train, iterations):
+def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait, engine, train, seeds, iterations):
     """The whole lifecycle offline, against a SIMULATED LLM: collect, represent, curate, optimize, consume.
 
     Starts a clearly labelled simulated LLM (real Qwen2 token ids, seeded right and wrong answers),
@@ -80,9 +83,13 @@ def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait, engine, 
             raise ConfigError("--train closes the loop on the real engine: add --engine vllm")
         from stepmill.demo.training import run_training_demo
 
-        given = click.get_current_context().get_parameter_source("tasks") != click.core.ParameterSource.DEFAULT
-        run_training_demo(Path(folder), tasks=min(tasks, 16) if given else 4, n=rollouts, iterations=iterations,
-                          concurrency=concurrency, ui=not no_ui, wait=not no_wait, ui_port=ui_port)
+        def given(name, value):  # the shipped cell's size unless the option was given
+            source = click.get_current_context().get_parameter_source(name)
+            return None if source == click.core.ParameterSource.DEFAULT else value
+
+        run_training_demo(Path(folder), seeds=seeds or (0,), tasks=given("tasks", min(tasks, 16)),
+                          n=given("rollouts", rollouts), iterations=given("iterations", iterations),
+                          concurrency=given("concurrency", concurrency), ui=not no_ui, wait=not no_wait, ui_port=ui_port)
         return
     from stepmill.demo.main import run_demo
 

@@ -1,12 +1,17 @@
-"""``stepmill demo --engine vllm --train``: the loop closed, offline, on the real vLLM.
+"""``stepmill demo --engine vllm --train``: the loop closed, offline, on the real vLLM — the experiments'
+default cell, run by the experiments' own runner.
 
 A tiny Qwen2 (the real vocabulary, random weights after a warm start of under a minute on English word lists:
 stepmill.demo.warm_start) is served by vLLM in dev mode with stepmill's worker extension; the black-box
 agent answers the bundled ``animals16`` prompts through ``stepmill proxy``; ``topic_words`` scores each
-reply (different animals named: padding and repetition cannot win it);
-``stepmill train`` runs the paired control, then the run: each version rolled out, its groups consumed
-together, one GRPO step, the weights served in place and checked by the probe, the next calls stamped
-with the new version. Reward per version of both is printed and shown on the UI's training page.
+reply (different animals named: padding and repetition cannot win it); ``stepmill train`` runs the paired
+control, then the run: each version rolled out, its groups consumed together, one GRPO step, the weights
+served in place and checked by the probe, the next calls stamped with the new version.
+
+What runs is the default cell of the shipped ``experiments.example.toml`` (``stepmill.experiment``), one
+seed at a time (``--seed``, repeatable): each seed's reward per version beside its control, its margin, and
+over two seeds or more the margin's 95% interval, which says whether it excludes zero. The same cell and
+seeds through ``stepmill experiment`` give the same runs: docs/experiments.md has them.
 """
 
 from __future__ import annotations
@@ -18,89 +23,84 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from stepmill.demo.main import ENGINE_INSTALL, info, keep_serving, say, start_ui, start_vllm, vllm_python
-from stepmill.demo.trainer_child import trainer_command
-from stepmill.errors import ConfigError
+from stepmill.demo.main import info, keep_serving, say, start_ui
+from stepmill.experiment.cell import run_cell
+from stepmill.experiment.command import start_engine
+from stepmill.experiment.report import write_report
+from stepmill.experiment.spec import load
+from stepmill.experiment.stats import cell_numbers, seed_line, seed_table
 from stepmill.private_files import private_dir
 
-
-def training_config(base_url: str, model: str, model_dir: Path, *, tasks: int, n: int, iterations: int,
-                    concurrency: int) -> str:
-    return f"""# The closed loop: written by `stepmill demo --engine vllm --train`.
-[route]
-base_url = "{base_url}"
-
-[[agent]]
-name = "tool-loop"
-command = ["{{python}}", "-m", "stepmill.agents.tool_loop", "--model", "{{model}}"]
-env = {{ OPENAI_API_KEY = "sk-local" }}
-
-[[dataset]]
-name = "animals"
-path = "tasks.jsonl"   # {tasks} of the bundled animals16 prompts
-
-[run]
-agent = "tool-loop"
-dataset = "animals"
-n = {n}
-concurrency = {concurrency}
-timeout = 120
-model = "{model}"
-
-[[reward]]
-name = "animals"
-function = "stepmill.rewards.functions:topic_words"
-
-[train]
-model = "{model_dir}"
-method = "grpo"
-iterations = {iterations}
-lr = 5e-3
-control = true
-"""
+EXPERIMENTS = "experiments.example.toml"  # in stepmill/data: the demo runs its default cell
 
 
-def run_training_demo(folder: Path, *, tasks: int = 4, n: int = 4, iterations: int = 10, concurrency: int = 4,
-                      ui: bool = True, wait: bool = True, ui_port: int | None = None) -> dict:
+def default_cell(**settings):
+    """The shipped experiments' default cell, with the run's size (tasks, n, iterations, concurrency) as given."""
+    with resources.as_file(resources.files("stepmill") / "data" / EXPERIMENTS) as path:
+        spec = load(path)
+    spec.settings.update({k: v for k, v in settings.items() if v is not None})
+    return spec, spec.default
+
+
+def margin_verdict(results: list[dict]) -> str:
+    """The margin over the seeds run, and whether its 95% interval excludes zero (two seeds or more)."""
+    mean, half = cell_numbers(results)["margin"]
+    if mean is None:
+        return "no margin: a run or its control has no reward"
+    if half is None:
+        return f"margin over the control {mean:+.3f} (one seed: run more seeds for an interval)"
+    low, high = mean - half, mean + half
+    verdict = "excludes zero: learning" if low > 0 or high < 0 else "reaches zero: not distinguishable from noise"
+    return f"margin over the control {mean:+.3f} ± {half:.3f} (95%, {len(results)} seeds): [{low:+.3f}, {high:+.3f}] {verdict}"
+
+
+def _clear(folder: Path) -> None:
+    for old in ("results", "runs", "plots", "report.md", "summary.json"):
+        path = folder / old
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def run_training_demo(folder: Path, *, seeds: tuple[int, ...] = (0,), tasks: int | None = None, n: int | None = None,
+                      iterations: int | None = None, concurrency: int | None = None, ui: bool = True, wait: bool = True,
+                      ui_port: int | None = None) -> dict:
+    """The default cell over ``seeds``; the run's size the shipped file's where not given."""
     started = time.time()
     folder = folder.resolve()
     private_dir(folder)
-    for old in ("stepmill.db", "stepmill.db-wal", "stepmill.db-shm", "engine"):
-        path = folder / old
-        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-    if vllm_python() is None:
-        raise ConfigError(f"the training demo runs on the real vLLM: run {ENGINE_INSTALL} from the project first "
-                          "(it makes .engines/vllm, about 6 GB)")
-    command, env = trainer_command(str(folder / "rollout.toml"), "--db", str(folder / "stepmill.db"))
+    _clear(folder)  # engine/ is kept: its warm-started model is written once and reused
+    spec, cell = default_cell(tasks=tasks, n=n, iterations=iterations, concurrency=concurrency)
     children: list[subprocess.Popen] = []
     say("setup", f"everything goes to {folder}")
     info("engine: the REAL vLLM in dev mode (in-place weight reloads) on a tiny Qwen2 it writes here: random "
          "weights, then a short warm start on English word lists (the base; the control starts from it too)")
-    server = start_vllm(folder / "engine", warm_start=True, dev_mode=True, worker_extension=True, max_new_tokens=48)
-    summary: dict = {"folder": str(folder), "engine": server.url}
+    server = start_engine(folder)
+    summary: dict = {"folder": str(folder), "engine": server.url, "cell": cell.name, "seeds": list(seeds)}
+    results = []
     try:
         info(f"vLLM at {server.url} ({server.model_dir}); its log: {server.log}")
-        lines = (resources.files("stepmill") / "data" / "animals16.jsonl").read_text().splitlines(True)[:tasks]
-        (folder / "tasks.jsonl").write_text("".join(lines))
-        config = folder / "rollout.toml"
-        config.write_text(training_config(server.url, server.name, server.model_dir, tasks=len(lines), n=n,
-                                          iterations=iterations, concurrency=concurrency))
-        say("train", f"the paired control, then the run: {iterations} versions, {len(lines)} prompts × {n} rollouts each")
+        say("train", f"the experiments' default cell {cell.name}: for each seed the paired control, then the run: "
+                     f"{spec.settings['iterations']} versions, {spec.settings['tasks']} prompts × {spec.settings['n']} "
+                     f"rollouts each")
         info("each version: roll out → claim its groups together → one GRPO step → ack → weights served in place "
              "(probe checked) → the next calls stamped with the new version")
-        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"stepmill train failed (exit {done.returncode}); its output is above")
-        print(done.stdout, flush=True)
-        summary["table"] = done.stdout
+        for seed in seeds:
+            again = f"stepmill demo --engine vllm --train --seed {seed} --dir {folder}"
+            result = run_cell(folder, spec, cell, seed, server, command=again)
+            results.append(result)
+            print(f"seed {seed}:\n{seed_table(result)}\n{seed_line(result)}", flush=True)
+        verdict = margin_verdict(results)
+        say("margin", verdict)
+        summary.update(margin=verdict, report=str(write_report(folder, order=[cell.name], title="stepmill demo --train")))
+        info(f"the report: {summary['report']}; each seed's store and trainer log: {folder / 'runs' / cell.name}")
         if ui:
             say("review", "the UI's training page: reward per version beside the control")
-            home, sign_in = start_ui(folder, folder / "stepmill.db", ui_port, children)
+            db = folder / "runs" / cell.name / f"seed-{seeds[-1]}" / "stepmill.db"
+            home, sign_in = start_ui(folder, db, ui_port, children)
             if sign_in:
                 info(f"sign in first: {sign_in}")
-            info(f"training: {home}/-/stepmill/training")
+            info(f"training (seed {seeds[-1]}): {home}/-/stepmill/training")
             summary["ui"] = f"{home}/-/stepmill/training"
-        say("done", f"in {time.time() - started:.0f} s; the configuration that ran: {config}")
+        say("done", f"in {time.time() - started:.0f} s")
         (folder / "summary.json").write_text(json.dumps(summary, indent=2))
         if ui and wait:
             keep_serving(children[-1])

@@ -12,6 +12,7 @@ from stepmill.errors import ConfigError
 from stepmill.experiment.cell import finished, run_cell
 from stepmill.experiment.report import write_report
 from stepmill.experiment.spec import Cell, Experiment, load
+from stepmill.experiment.stats import seed_line
 
 
 def _chosen(experiment: Experiment, cells: tuple[str, ...], seeds: tuple[int, ...]) -> list[tuple[Cell, int]]:
@@ -26,7 +27,7 @@ def _chosen(experiment: Experiment, cells: tuple[str, ...], seeds: tuple[int, ..
     return [(known[name], seed) for name in (cells or known) for seed in (seeds or experiment.seeds)]
 
 
-def _start_engine(folder: Path):
+def start_engine(folder: Path):
     """The demo's engine: the warm-started tiny Qwen2 on the real vLLM in dev mode (in-place reloads)."""
     from stepmill.demo.main import ENGINE_INSTALL, start_vllm, vllm_python
 
@@ -41,15 +42,6 @@ def _reproduce(path: str, folder: str | None, cell: Cell, seed: int) -> str:
     """The command that runs this cell and seed again, with the file and folder as they were given."""
     where = f" --folder {shlex.quote(folder)}" if folder else ""
     return f"stepmill experiment {shlex.quote(path)}{where} --cell {cell.name} --seed {seed} --again"
-
-
-def _summary(result: dict) -> str:
-    from stepmill.experiment.stats import seed_numbers
-
-    numbers = seed_numbers(result)
-    shown = {k: ("–" if v is None else f"{v:.3f}") for k, v in numbers.items()}
-    return (f"reward {shown['reward_v0']} → {shown['last3']} over the last 3 versions (control {shown['control_last3']}, "
-            f"margin {shown['margin']}) in {numbers['wall_s']:.0f} s")
 
 
 @click.command()
@@ -90,7 +82,7 @@ def _run(spec: Experiment, folder: Path, todo: list[tuple[Cell, int]], stop_afte
 
     private_dir(folder)
     started = time.monotonic()
-    server = _start_engine(folder)
+    server = start_engine(folder)
     try:
         for cell, seed in todo:
             if stop_after is not None and time.monotonic() - started > stop_after * 60:
@@ -98,7 +90,7 @@ def _run(spec: Experiment, folder: Path, todo: list[tuple[Cell, int]], stop_afte
                 return
             click.echo(f"{cell.name} seed {seed}: running", err=True)
             result = run_cell(folder, spec, cell, seed, server, command=reproduce(cell, seed))
-            click.echo(f"{cell.name} seed {seed}: {_summary(result)}", err=True)
+            click.echo(f"{cell.name} seed {seed}: {seed_line(result)}", err=True)
             write_report(folder, order=[c.name for c in spec.cells()], title=spec.name)
     finally:
         server.stop()

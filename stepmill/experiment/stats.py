@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from stepmill.train.summary import last_versions_reward
+from stepmill.train.summary import last_versions_reward, summary_table
 
 # Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -79,3 +79,20 @@ def cell_numbers(results: list[dict]) -> dict:
         "rollout_gap": max((g for g in column.get("rollout_gap", []) if g is not None), default=None),
         "wall_s": sum(w for w in column.get("wall_s", []) if w is not None),
     }
+
+
+def seed_line(result: dict) -> str:
+    """One seed's result in a line: the reward from version 0 to the last three, beside the control."""
+    numbers = seed_numbers(result)
+    shown = {k: ("–" if v is None else f"{v:.3f}") for k, v in numbers.items()}
+    margin = "–" if numbers["margin"] is None else f"{numbers['margin']:+.3f}"
+    return (f"reward {shown['reward_v0']} → {shown['last3']} over the last 3 versions (control {shown['control_last3']}, "
+            f"margin {margin}) in {numbers['wall_s']:.0f} s")
+
+
+def seed_table(result: dict) -> str:
+    """One seed's reward per version beside its control, as ``stepmill train`` prints it."""
+    def reports(rows):
+        return [SimpleNamespace(version=row["version"], metrics=row) for row in rows]
+
+    return summary_table(SimpleNamespace(run=reports(result["run"]), control=reports(result.get("control") or [])))
