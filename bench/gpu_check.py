@@ -34,12 +34,12 @@ def step(model, batches: list, layout: str, attention: str) -> tuple[float, dict
     """One GRPO loss and its gradients (flattened per parameter, float32, on the CPU), and seconds."""
     import torch
 
-    from stepmill.train.forward import micro_batch_loss, token_view
+    from stepmill.train.forward import micro_batch_loss
     from stepmill.train.methods import method
-    from stepmill.train.micro_batches import layout_batch
+    from stepmill.train.micro_batches import claimed_steps, layout_batch
 
-    batch = layout_batch(batches, layout)
-    plan = token_view(None, batch.padded, batch.padded_layout)
+    batch = layout_batch(claimed_steps(batches), layout)
+    plan = batch.plan
     model.zero_grad(set_to_none=True)
     started = time.perf_counter()
     stats = micro_batch_loss(model, batch.chunks, batch.layout, plan, method("grpo"), attention=attention)
@@ -56,13 +56,13 @@ def near_policy(batches: list, model) -> None:
     import numpy as np
     import torch
 
-    from stepmill.train.forward import token_view
+    from stepmill.train.forward import sampled_logprobs
 
     rng = np.random.default_rng(1)
     for batch in batches:
         t = batch.tensors
         with torch.no_grad():
-            logprobs = token_view(model, batch, "steps").logprobs.numpy()
+            logprobs = sampled_logprobs(model, batch)[0].numpy()
         prompt = t["prompts"].shape[1]
         rows, cols = np.nonzero(t["response_mask"].astype(bool) & (t["position_ids"][:, prompt:] > 0))
         t["rollout_log_probs"][rows, cols] = logprobs + rng.uniform(-0.3, 0.3, len(logprobs))

@@ -25,7 +25,6 @@ import statistics
 import sys
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 
 
@@ -39,7 +38,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from stepmill.demo.main import start_vllm
-    from stepmill.demo.training import training_config
+    from stepmill.experiment.catalog import tasks_text
+    from stepmill.experiment.cell import rollout_toml
+    from stepmill.experiment.training_demo import default_cell
     from stepmill.runner.config import load
     from stepmill.store import Store
     from stepmill.train.config import load_train
@@ -51,12 +52,11 @@ def main(argv=None) -> int:
                         timeout=900)
     restart_s = time.monotonic() - started
     try:
-        lines = (resources.files("stepmill") / "data" / "animals16.jsonl").read_text().splitlines(True)[:args.tasks]
-        (folder / "tasks.jsonl").write_text("".join(lines))
+        spec, cell = default_cell(tasks=args.tasks, n=args.n, iterations=args.iterations, layout=args.layout)
+        (folder / "tasks.jsonl").write_text(tasks_text(cell.dataset, args.tasks))
         config = folder / "rollout.toml"
-        config.write_text(training_config(server.url, server.name, server.model_dir, tasks=len(lines), n=args.n,
-                                          iterations=args.iterations, concurrency=4)
-                          .replace("control = true", f'control = false\nlayout = "{args.layout}"'))
+        config.write_text(rollout_toml(cell, 0, spec.settings, base_url=server.url, model=server.name,
+                                       model_dir=server.model_dir).replace("control = true", "control = false"))
         db = folder / "stepmill.db"
         train_loop(load(config), load_train(config), db=str(db), progress=False)
         rows = [r for r in Store(str(db), readonly=True).train_metrics("train") if r.get("train_s") is not None]

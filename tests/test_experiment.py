@@ -162,7 +162,7 @@ def test_an_unknown_cell_or_seed_is_refused():
 
 
 def test_the_training_demo_runs_the_default_cell_and_says_if_its_margin_excludes_zero():
-    from stepmill.demo.training import default_cell, margin_verdict
+    from stepmill.experiment.training_demo import default_cell, margin_verdict
 
     shipped = spec.load(EXAMPLE)
     experiment, demo_cell = default_cell(tasks=None, n=None, iterations=3, concurrency=None)

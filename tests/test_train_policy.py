@@ -20,7 +20,7 @@ def _step_batch(prompt: list[int], response: list[int], logprobs: list[float], v
                "position_ids": np.arange(p + r)[None], "response_mask": np.ones((1, r), np.int64),
                "rollout_log_probs": np.array([logprobs], np.float32), "token_level_scores": np.zeros((1, r), np.float32)}
     meta = {"uid": ["g"], "trajectory_id": ["t"], "step_id": ["s"], "step_index": [0], "parent_step_id": [None],
-            "policy_version": [version]}
+            "policy_version": [version], "reward": [None]}  # unscored: its tokens are checked all the same
     return Batch(tensors, meta, Counter())
 
 
@@ -29,7 +29,8 @@ def test_a_stale_step_is_checked_against_its_own_versions_weights_and_training_g
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from stepmill.train.config import TrainConfig
-    from stepmill.train.forward import token_view
+    from stepmill.train.forward import sampled_logprobs
+    from stepmill.train.micro_batches import claimed_steps
     from stepmill.train.policy import Policy
 
     torch.manual_seed(0)
@@ -39,15 +40,15 @@ def test_a_stale_step_is_checked_against_its_own_versions_weights_and_training_g
     policy.serving(0)
     prompt, response = [1, 2, 3], [4, 5, 6, 7]
     with torch.no_grad():  # what the engine reported serving version 0
-        engine = token_view(policy.model, _step_batch(prompt, response, [0.0] * 4, "0"), "steps").logprobs.tolist()
+        engine = sampled_logprobs(policy.model, _step_batch(prompt, response, [0.0] * 4, "0"))[0].tolist()
         for p in policy.model.parameters():  # an optimizer step: version 1
             p.add_(0.05 * torch.randn_like(p))
     policy.serving(1)
     newest = {k: v.clone() for k, v in policy.model.state_dict().items()}
 
-    assert policy.sample_gap([_step_batch(prompt, response, engine, "0")])["rollout_gap"] < 1e-6
+    assert policy.sample_gap(claimed_steps([_step_batch(prompt, response, engine, "0")]))["rollout_gap"] < 1e-6
     assert all(torch.equal(v, newest[k]) for k, v in policy.model.state_dict().items())
     # the same tokens stamped with version 1 are a wrong stamp: the engine served version 0's weights
-    assert policy.sample_gap([_step_batch(prompt, response, engine, "1")])["rollout_gap"] > 1e-3
+    assert policy.sample_gap(claimed_steps([_step_batch(prompt, response, engine, "1")]))["rollout_gap"] > 1e-3
     # a version no longer kept is counted, not compared
-    assert policy.sample_gap([_step_batch(prompt, response, engine, "-5")])["rollout_gap_unchecked"] == 1
+    assert policy.sample_gap(claimed_steps([_step_batch(prompt, response, engine, "-5")]))["rollout_gap_unchecked"] == 1

@@ -20,7 +20,7 @@ from stepmill.trainer_bridge.layouts import group_batch  # noqa: E402
 
 from stepmill.train import forward  # noqa: E402
 from stepmill.train.methods import method  # noqa: E402
-from stepmill.train.micro_batches import layout_batch  # noqa: E402
+from stepmill.train.micro_batches import claimed_steps, layout_batch  # noqa: E402
 
 from .test_train_layouts import VOCAB, sample, tiny_qwen2  # noqa: E402
 
@@ -67,9 +67,8 @@ def claimed(tmp_path_factory):
 def trained(policy, batch, rl) -> tuple[forward.TokenView, dict, dict]:
     """The plan of what one step trains on, its stats and gradients."""
     policy.zero_grad(set_to_none=True)
-    plan = forward.token_view(None, batch.padded, batch.padded_layout)
-    stats = forward.micro_batch_loss(policy, batch.chunks, batch.layout, plan, rl)
-    return plan, stats, {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
+    stats = forward.micro_batch_loss(policy, batch.chunks, batch.layout, batch.plan, rl)
+    return batch.plan, stats, {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
 
 
 def response_tokens(batches, left_out: bool) -> int:
@@ -84,7 +83,7 @@ def test_a_step_without_a_reward_is_left_out_of_every_layout_alike(claimed, micr
     rl = method("grpo")
     results = {}
     for layout in LAYOUTS:
-        batch = layout_batch(batches, layout, micro_batch_tokens)
+        batch = layout_batch(claimed_steps(batches), layout, micro_batch_tokens)
         assert batch.unrewarded == sum(LEFT_OUT.values()), layout
         plan, stats, grads = trained(policy, batch, rl)
         rewards = dict(zip(plan.trajectory_ids, plan.rewards.tolist()))
@@ -107,10 +106,20 @@ def test_read_as_zero_the_unrewarded_steps_would_change_the_step(claimed):
         meta = {**b.meta, "reward": [0.0 if r is None else r for r in b.meta["reward"]]}
         as_zero.append(type(b)(b.tensors, meta, b.report))
     rl = method("grpo")
-    kept = layout_batch(batches, "steps")
-    zero = layout_batch(as_zero, "steps")
+    kept = layout_batch(claimed_steps(batches), "steps")
+    zero = layout_batch(claimed_steps(as_zero), "steps")
     assert zero.unrewarded == 0
     plan, stats, _ = trained(policy, kept, rl)
     zero_plan, zero_stats, _ = trained(policy, zero, rl)
     assert len(zero_plan.trajectory_ids) == len(plan.trajectory_ids) + 1
     assert zero_stats["loss"] != pytest.approx(stats["loss"], abs=1e-6)
+
+
+def test_a_batch_whose_trajectory_has_no_reward_is_refused_not_read_as_zero(claimed):
+    """Read directly (verl's step batch, not through the trainer's layout_batch), a trajectory none of whose
+    steps has a reward is refused by name: its token scores of 0.0 are not its reward."""
+    batches, policy = claimed
+    with pytest.raises(forward.BadInput, match="trajectory g1-t2 has no reward"):
+        forward.token_view(policy, batches[0], "steps")
+    with pytest.raises(forward.BadInput, match="trajectory g1-t2 has no reward"):
+        forward.token_view(policy, forward.pack_batch(batches[0]), "tree")

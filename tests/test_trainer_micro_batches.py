@@ -22,7 +22,7 @@ from stepmill.trainer_bridge.layouts import step_batches  # noqa: E402
 
 from stepmill.train import forward  # noqa: E402
 from stepmill.train.methods import method  # noqa: E402
-from stepmill.train.micro_batches import layout_batch  # noqa: E402
+from stepmill.train.micro_batches import claimed_steps, layout_batch  # noqa: E402
 
 from .test_train_layouts import VOCAB, REWARDS, layouts, tiny_qwen2  # noqa: E402,F401  (layouts: the fixture)
 
@@ -48,8 +48,7 @@ def claimed(store) -> list:
 
 def accumulated(model, batch, rl) -> tuple[dict, dict]:
     model.zero_grad(set_to_none=True)
-    plan = forward.token_view(None, batch.padded, batch.padded_layout)
-    stats = forward.micro_batch_loss(model, batch.chunks, batch.layout, plan, rl)
+    stats = forward.micro_batch_loss(model, batch.chunks, batch.layout, batch.plan, rl)
     return stats, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -59,8 +58,8 @@ def accumulated(model, batch, rl) -> tuple[dict, dict]:
 def test_micro_batches_give_one_batchs_loss_and_gradients(layouts, policy32, layout, name, aggregation):
     store, _ = layouts
     rl = method(name, aggregation=aggregation, norm_length=16, kl_coef=0.0)
-    whole_stats, whole = accumulated(policy32, layout_batch(claimed(store), layout, 0), rl)
-    split = layout_batch(claimed(store), layout, 60)  # rows of 30-70 tokens: about one row a micro-batch
+    whole_stats, whole = accumulated(policy32, layout_batch(claimed_steps(claimed(store)), layout, 0), rl)
+    split = layout_batch(claimed_steps(claimed(store)), layout, 60)  # rows of 30-70 tokens: about one row a micro-batch
     assert len(split.chunks) >= 5
     stats, grads = accumulated(policy32, split, rl)
     assert abs(whole_stats["loss"]) > 1e-4 and max(g.abs().max() for g in whole.values()) > 1e-4
@@ -75,7 +74,7 @@ def test_micro_batches_agree_with_the_one_batch_loss_of_every_layout(layouts, po
     store, batches = layouts
     rl = method("grpo", aggregation="sequence")
     expected, _ = forward.loss(policy32, batches["steps"][1], "steps", rl)
-    stats, _ = accumulated(policy32, layout_batch(claimed(store), "tree", 100), rl)
+    stats, _ = accumulated(policy32, layout_batch(claimed_steps(claimed(store)), "tree", 100), rl)
     assert stats["loss"] == pytest.approx(float(expected.detach()), abs=1e-5)
 
 
@@ -111,7 +110,7 @@ def full_logprobs(model, batch, layout) -> tuple[torch.Tensor, int]:
         mask = forward.padded_attention_mask(model, torch.from_numpy(t["attention_mask"]))
         logits = model(input_ids=torch.from_numpy(t["input_ids"]), attention_mask=mask,
                        position_ids=torch.from_numpy(t["position_ids"])).logits
-        trained, _, _ = forward._full_width(batch)
+        trained, _ = forward._full_width(batch)
         r, c = np.nonzero(trained & (t["position_ids"] > 0))
         rows = [logits[i, j - 1] for i, j in zip(r, c)]
         targets = [int(t["input_ids"][i, j]) for i, j in zip(r, c)]

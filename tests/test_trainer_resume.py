@@ -19,11 +19,7 @@ from stepmill.store import Store
 from .conftest import wait_until
 from .test_train_loop import acked_once, rollout_file, tied_engine  # noqa: F401  (tied_engine: the fixture)
 
-pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(2400),
-              # Its last run on the real vLLM resumed right but acked 8 of 10 groups once; the fix (the resumed
-              # step trains the groups the killed one had claimed) has not been run yet, and a run costs about
-              # 16 minutes of CI: it runs again once seen passing (issue 35).
-              pytest.mark.skip(reason="not yet seen passing on the real vLLM since its last fix")]
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(2400)]
 ITERATIONS = 3
 
 

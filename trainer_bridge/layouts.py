@@ -190,7 +190,8 @@ class Row:
     ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     loss: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))  # 1 where the model sampled the token
     logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    reward: float | None = None
+    reward: float | None = None  # its last rewarded step's
+    order: float = 0.0  # its place in its trajectory: its step index (a step's row), or its row number
 
 
 def trajectory_rows(store: Store, *, where: str | None = None, params: Any = (),
@@ -206,23 +207,42 @@ def trajectory_rows(store: Store, *, where: str | None = None, params: Any = (),
     return chain_rows(by_trajectory, report)
 
 
+def step_tokens(batch: Batch) -> dict[str, list]:
+    """A step batch's steps (what a consumer hands out) as unpadded token rows, by trajectory: each step's
+    prompt and response ids, engine logprobs, reward (``meta["reward"]``: None where it has none) and
+    policy version; what ``chain_rows`` and ``step_rows`` read."""
+    by_trajectory: dict[str, list] = {}
+    t, meta = batch.tensors, batch.meta
+    for i, step_id in enumerate(meta.get("step_id", [])):
+        prompt = t["prompts"][i][t["attention_mask"][i, :t["prompts"].shape[1]].astype(bool)]
+        response_mask = t["response_mask"][i].astype(bool)
+        by_trajectory.setdefault(meta["trajectory_id"][i], []).append(SimpleNamespace(
+            step_id=step_id, trajectory_id=meta["trajectory_id"][i], group_id=meta["uid"][i],
+            parent_step_id=meta["parent_step_id"][i], step_index=meta["step_index"][i],
+            policy_version=meta["policy_version"][i], reward=meta["reward"][i], prompt_ids=prompt,
+            response_ids=t["responses"][i][response_mask], logprobs=t["rollout_log_probs"][i][response_mask]))
+    return by_trajectory
+
+
 def rows_from_step_batch(batch: Batch) -> tuple[list[Row], Counter]:
     """The trajectory rows of a step batch (what a consumer hands out), chained as ``trajectory_rows``
     chains the store's steps: a trainer can take any layout from any consumer."""
-    report: Counter = Counter(batch.report)
-    by_trajectory: dict[str, list] = {}
-    t = batch.tensors
-    for i, step_id in enumerate(batch.meta.get("step_id", [])):
-        prompt = t["prompts"][i][t["attention_mask"][i, :t["prompts"].shape[1]].astype(bool)]
-        response_mask = t["response_mask"][i].astype(bool)
-        scores = t["token_level_scores"][i]
-        # what chain_rows reads of a token row
-        by_trajectory.setdefault(batch.meta["trajectory_id"][i], []).append(SimpleNamespace(
-            step_id=step_id, group_id=batch.meta["uid"][i], parent_step_id=batch.meta["parent_step_id"][i],
-            step_index=batch.meta["step_index"][i], prompt_ids=prompt, response_ids=t["responses"][i][response_mask],
-            logprobs=t["rollout_log_probs"][i][response_mask],
-            reward=float(scores.sum()) if response_mask.any() else None))
-    return chain_rows(by_trajectory, report)
+    return chain_rows(step_tokens(batch), Counter(batch.report))
+
+
+def step_rows(by_trajectory: dict[str, list]) -> list[Row]:
+    """Each step (token rows with ids, by trajectory) as a row of its own: its prompt as context, its
+    response trained on, ordered by its step index."""
+    rows = []
+    for trajectory_id, steps in by_trajectory.items():
+        for step in steps:
+            prompt, response = np.asarray(step.prompt_ids, np.int64), np.asarray(step.response_ids, np.int64)
+            logprobs = np.zeros(len(response), np.float32) if step.logprobs is None else step.logprobs
+            rows.append(Row(trajectory_id, step.group_id, [step.step_id], np.concatenate([prompt, response]),
+                            np.concatenate([np.zeros(len(prompt), np.int8), np.ones(len(response), np.int8)]),
+                            np.concatenate([np.zeros(len(prompt), np.float32), np.asarray(logprobs, np.float32)]),
+                            step.reward, float("inf") if step.step_index is None else step.step_index))
+    return rows
 
 
 def chain_rows(by_trajectory: dict[str, list], report: Counter) -> tuple[list[Row], Counter]:
@@ -231,7 +251,7 @@ def chain_rows(by_trajectory: dict[str, list], report: Counter) -> tuple[list[Ro
     rows, parts = [], []  # parts: each row's loss and logprob pieces, joined once at the end
     for trajectory_id, steps in by_trajectory.items():
         steps.sort(key=lambda s: (s.step_index is None, s.step_index))
-        row = None
+        row, number = None, 0  # number: the rows this trajectory has so far
         for step in steps:
             prompt = np.asarray(step.prompt_ids, dtype=np.int64)
             response = np.asarray(step.response_ids, dtype=np.int64)
@@ -241,7 +261,7 @@ def chain_rows(by_trajectory: dict[str, list], report: Counter) -> tuple[list[Ro
             if not continues:
                 if row is not None:
                     report["new row: a step does not continue its parent token-exactly"] += 1
-                row = Row(trajectory_id, step.group_id)
+                row, number = Row(trajectory_id, step.group_id, order=number), number + 1
                 rows.append(row)
                 parts.append(([row.loss], [row.logprobs]))
                 n = 0
@@ -252,7 +272,7 @@ def chain_rows(by_trajectory: dict[str, list], report: Counter) -> tuple[list[Ro
             parts[-1][0].extend((np.zeros(len(context), np.int8), np.ones(len(response), np.int8)))
             parts[-1][1].extend((np.zeros(len(context), np.float32), logprobs))
             row.step_ids.append(step.step_id)
-            row.reward = step.reward
+            row.reward = step.reward if step.reward is not None else row.reward
     for row, (loss, logprobs) in zip(rows, parts):
         row.loss, row.logprobs = np.concatenate(loss), np.concatenate(logprobs)
     report["rows"] = len(rows)
@@ -261,7 +281,8 @@ def chain_rows(by_trajectory: dict[str, list], report: Counter) -> tuple[list[Ro
 
 def trajectory_batch(rows: list[Row], report: Counter | None = None, pad_id: int = 0) -> Batch:
     """Right-padded rows: input_ids, attention_mask, position_ids, response_mask (sampled tokens only),
-    rollout_log_probs, token_level_scores (the reward on the row's last sampled token)."""
+    rollout_log_probs, token_level_scores (the reward on the row's last sampled token, as verl takes it);
+    per row ``reward`` (None where it has none, which the scores cannot tell from 0.0) and ``order``."""
     n, width = len(rows), max((len(r.ids) for r in rows), default=0)
     input_ids = np.full((n, width), pad_id, dtype=np.int64)
     attention_mask = np.zeros((n, width), dtype=np.int64)
@@ -281,7 +302,8 @@ def trajectory_batch(rows: list[Row], report: Counter | None = None, pad_id: int
                "position_ids": np.clip(np.cumsum(attention_mask, axis=1) - 1, 0, None),
                "response_mask": response_mask, "rollout_log_probs": log_probs, "token_level_scores": scores}
     meta = {"uid": [r.group_id for r in rows], "trajectory_id": [r.trajectory_id for r in rows],
-            "step_ids": [r.step_ids for r in rows]}
+            "step_ids": [r.step_ids for r in rows], "reward": [r.reward for r in rows],
+            "order": [r.order for r in rows]}
     return Batch(tensors, meta, Counter(report or {}))
 
 

@@ -81,7 +81,7 @@ def demo(folder, rollouts, tasks, concurrency, ui_port, no_ui, no_wait, engine, 
     if train:
         if engine != "vllm":
             raise ConfigError("--train closes the loop on the real engine: add --engine vllm")
-        from stepmill.demo.training import run_training_demo
+        from stepmill.experiment.training_demo import run_training_demo
 
         def given(name, value):  # the shipped cell's size unless the option was given
             source = click.get_current_context().get_parameter_source(name)

@@ -1,23 +1,23 @@
 """The policy's logprobs on the trained tokens of a batch, in any of the three layouts, and the loss.
 
 Layouts (``LAYOUTS``):
-- ``"steps"``: a step batch (``step_batches`` / ``group_batch``): prompts left-padded, responses
-  right-padded; one forward over the padded rows.
+- ``"steps"``: one padded row per step: a step batch as verl lays it out (``step_batches`` /
+  ``group_batch``: prompts left-padded, responses right-padded), or the trainer's right-padded rows of
+  steps (``trajectory_batch(step_rows(...))``); one forward over the padded rows.
 - ``"rows"``: a trajectory batch (``trajectory_batch``): one row per token-exact chain of steps, the
   loss on sampled tokens only; one forward over the padded rows.
-- ``"tree"``: a step or trajectory batch packed once as a prefix tree (``pack_batch``); one forward
-  over the packed tokens, each shared prefix computed once. Attention: FlexAttention with the
+- ``"tree"``: rows packed once as a prefix tree (``pack_rows``; ``pack_batch`` packs a padded batch);
+  one forward over the packed tokens, each shared prefix computed once. Attention: FlexAttention with the
   tree's ``mask_mod`` when the model was loaded with ``attn_implementation="flex_attention"``
   (torch has no FlexAttention backward on the CPU, so there the CPU path is forward-only), else a
   dense 4-D mask (boolean for SDPA, additive for eager attention; T×T memory).
 
 Every layout comes down to the same ``TokenView``: one entry per trained token (its logprob under
-the model, the engine's logprob, its trajectory), plus each trajectory's reward and group. The
-reward of a trajectory is its last step's (the last row's), as ``token_level_scores`` carries it.
-A trained token at position 0 of its sequence has no context to be predicted from and is left out
-(counted in ``TokenView.skipped``) in every layout alike. A step without a reward never gets here:
-``micro_batches.layout_batch`` leaves it out of the step batch every layout is made from (and counts it),
-so no layout reads its ``token_level_scores`` of 0.0 as a reward.
+the model, the engine's logprob, its trajectory), plus each trajectory's reward and group. Rewards are
+fields: each row's ``meta["reward"]`` (None where it has none), never read back from the token scores,
+and a trajectory's is that of its last row with one; a trajectory with none is refused. A trained token
+at position 0 of its sequence has no context to be predicted from and is left out (counted in
+``TokenView.skipped``) in every layout alike. The trainer's own batches come from ``micro_batches``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 import torch.utils.checkpoint
 
 from stepmill.errors import BadInput, ConfigError
-from stepmill.trainer_bridge.layouts import Batch
+from stepmill.trainer_bridge.layouts import Batch, Row
 from stepmill.trainer_bridge.prefix_tree import flex_mask_mod, pack_tree
 
 from stepmill.train.methods import Method, advantages, policy_loss, token_weights
@@ -60,67 +60,87 @@ class TokenView:
             0, self.seq_index.cpu(), torch.ones(len(self.seq_index), dtype=torch.long))
 
 
-# -- the tree layout of a step or trajectory batch -----------------------------------------------------
-def pack_batch(batch: Batch) -> Batch:
-    """A step batch or trajectory batch packed as one prefix tree (``pack_tree``), with what the loss
-    needs per sequence in CSR order beside ``seq_positions``: ``seq_log_probs`` (the engine's),
-    ``seq_scores`` (``token_level_scores``), and per sequence ``uid``, ``trajectory_id`` and
-    ``order`` (its step index, or its row number) in ``meta``."""
-    t = batch.tensors
-    if not t:
+# -- the tree layout, and the plan of a batch without a forward ----------------------------------------
+def pack_rows(rows: list[Row], report: Counter | None = None) -> Batch:
+    """Rows (each step's, or each trajectory row's: ``Row``) packed as one prefix tree (``pack_tree``),
+    with what the loss needs per sequence in CSR order beside ``seq_positions``: ``seq_log_probs`` (the
+    engine's), and per sequence ``uid``, ``trajectory_id``, ``order`` and ``reward`` in ``meta``."""
+    if not rows:
         raise BadInput("an empty batch has nothing to pack")
-    trained, logprobs, scores = _full_width(batch)
-    attention = t["attention_mask"].astype(bool)
-    sequences, masks, seq_lp, seq_sc = [], [], [], []
-    for b in range(len(attention)):
-        keep = attention[b]
-        sequences.append(t["input_ids"][b][keep])
-        masks.append(trained[b][keep])
-        seq_lp.append(logprobs[b][keep])
-        seq_sc.append(scores[b][keep])
-    tree = pack_tree(sequences, masks)
+    tree = pack_tree([r.ids for r in rows], [r.loss.astype(bool) for r in rows])
     tensors = {"input_ids": tree.input_ids, "position_ids": tree.position_ids, "parent": tree.parent,
                "subtree_end": tree.subtree_end, "loss_mask": tree.loss_mask, "loss_count": tree.loss_count,
                "seq_offsets": tree.seq_offsets, "seq_positions": tree.seq_positions,
                "seq_loss_mask": tree.seq_loss_mask,
-               "seq_log_probs": np.concatenate(seq_lp).astype(np.float32),
-               "seq_scores": np.concatenate(seq_sc).astype(np.float32)}
-    meta = {"uid": list(batch.meta["uid"]), "trajectory_id": list(batch.meta["trajectory_id"]),
-            "order": _orders(batch)}
-    report = Counter(batch.report)
-    report["token_ratio_permille"] = round(tree.token_ratio * 1000)
-    return Batch(tensors, meta, report)
+               "seq_log_probs": np.concatenate([r.logprobs for r in rows]).astype(np.float32)}
+    meta = {"uid": [r.group_id for r in rows], "trajectory_id": [r.trajectory_id for r in rows],
+            "order": [r.order for r in rows], "reward": [r.reward for r in rows]}
+    packed = Counter(report or {})
+    packed["token_ratio_permille"] = round(tree.token_ratio * 1000)
+    return Batch(tensors, meta, packed)
 
 
-def _full_width(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Trained-token mask, engine logprobs and scores over the whole width of ``input_ids``."""
+def pack_batch(batch: Batch) -> Batch:
+    """A padded step batch or trajectory batch (as verl and ``trajectory_batch`` lay them out) packed as
+    one prefix tree: ``pack_rows`` of its rows, each row's real tokens."""
+    if not batch.tensors:
+        raise BadInput("an empty batch has nothing to pack")
+    t = batch.tensors
+    trained, logprobs = _full_width(batch)
+    attention = t["attention_mask"].astype(bool)
+    rows = [Row(tid, uid, ids=t["input_ids"][b][attention[b]], loss=trained[b][attention[b]].astype(np.int8),
+                logprobs=logprobs[b][attention[b]], reward=reward, order=order)
+            for b, (tid, uid, reward, order) in enumerate(zip(batch.meta["trajectory_id"], batch.meta["uid"],
+                                                              batch.meta["reward"], _orders(batch)))]
+    return pack_rows(rows, batch.report)
+
+
+def rows_plan(rows: list[Row]) -> TokenView:
+    """What a forward over ``rows`` in any layout trains on, without the forward: every trained token (its
+    engine logprob and its trajectory, in row order) and each trajectory's reward and group."""
+    seq_to_traj, ids, groups, rewards = _trajectories([r.trajectory_id for r in rows], [r.group_id for r in rows],
+                                                      [r.order for r in rows], [r.reward for r in rows])
+    trained = [np.flatnonzero(r.loss) for r in rows]
+    usable = [t[t > 0] for t in trained]  # a token at position 0 has nothing to be predicted from
+    seq_index = np.repeat(np.asarray(seq_to_traj, dtype=np.int64), [len(u) for u in usable])
+    old = np.concatenate([r.logprobs[u] for r, u in zip(rows, usable)]) if rows else np.zeros(0, np.float32)
+    return TokenView(None, torch.from_numpy(old.astype(np.float32)), torch.from_numpy(seq_index), rewards, groups, ids,
+                     skipped=sum(int((t == 0).sum()) for t in trained))
+
+
+def _full_width(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+    """Trained-token mask and engine logprobs over the whole width of ``input_ids``."""
     t = batch.tensors
     if "prompts" in t:  # a step batch: the response columns follow the prompt columns
         pad = np.zeros_like(t["prompts"])
         return (np.concatenate([pad, t["response_mask"]], axis=1).astype(bool),
-                np.concatenate([pad.astype(np.float32), t["rollout_log_probs"]], axis=1),
-                np.concatenate([pad.astype(np.float32), t["token_level_scores"]], axis=1))
-    return t["response_mask"].astype(bool), t["rollout_log_probs"], t["token_level_scores"]
+                np.concatenate([pad.astype(np.float32), t["rollout_log_probs"]], axis=1))
+    return t["response_mask"].astype(bool), t["rollout_log_probs"]
 
 
 def _orders(batch: Batch) -> list:
-    """Each row's place in its trajectory: its step index (steps), or its row number (rows)."""
+    """Each row's place in its trajectory: ``order``, else its step index (a step batch), else its row number."""
+    if "order" in batch.meta:
+        return list(batch.meta["order"])
     if "step_index" in batch.meta:
         return [float("inf") if i is None else i for i in batch.meta["step_index"]]
     return list(range(len(batch.meta["trajectory_id"])))
 
 
-def _trajectories(trajectory_ids: list, groups: list, orders: list, scores: list) -> tuple:
-    """Sequences (steps or rows) to trajectories: each sequence's trajectory index, and per
-    trajectory its id, group and reward (that of its last sequence)."""
+def _trajectories(trajectory_ids: list, groups: list, orders: list, rewards: list) -> tuple:
+    """Sequences (steps or rows) to trajectories: each sequence's trajectory index, and per trajectory
+    its id, group and reward: that of its last sequence with one (a reward of None is none, never 0.0)."""
     index: dict = {}
     seq_to_traj, last = [], {}
-    for i, (tid, order) in enumerate(zip(trajectory_ids, orders)):
+    for i, (tid, order, reward) in enumerate(zip(trajectory_ids, orders, rewards)):
         k = index.setdefault(tid, len(index))
         seq_to_traj.append(k)
-        if k not in last or (order, i) >= last[k][0]:
-            last[k] = ((order, i), scores[i], groups[i])
+        if reward is not None and (k not in last or (order, i) >= last[k][0]):
+            last[k] = ((order, i), reward, groups[i])
     ids = list(index)
+    missing = [t for t in ids if index[t] not in last]
+    if missing:
+        raise BadInput(f"trajectory {missing[0]} has no reward: leave its steps out (micro_batches.layout_batch does)")
     rewards = torch.tensor([float(last[index[t]][1]) for t in ids], dtype=torch.float64)
     return seq_to_traj, ids, [last[index[t]][2] for t in ids], rewards
 
@@ -170,16 +190,14 @@ def _token_stats(logits: torch.Tensor, targets: torch.Tensor, entropy: bool):
     return logp, ent
 
 
-def _padded_view(model, batch: Batch, entropy: bool) -> TokenView:
-    """``model=None``: the view's plan alone (which tokens, their trajectories and rewards), no forward."""
+def _padded_tokens(model, batch: Batch, entropy: bool) -> tuple:
+    """A padded batch's trained tokens (row-major: each row's in order): their rows, the engine's logprobs,
+    and with a ``model`` its logprobs (and entropy) from one forward; the tokens at position 0 skipped."""
     t = batch.tensors
-    trained, logprobs, scores = _full_width(batch)
+    trained, logprobs = _full_width(batch)
     positions = t["position_ids"]
     usable = trained & (positions > 0)
-    skipped = int((trained & (positions == 0)).sum())
-    rows, cols = np.nonzero(usable)  # row-major: each row's tokens in order
-    seq_to_traj, ids, groups, rewards = _trajectories(
-        list(batch.meta["trajectory_id"]), list(batch.meta["uid"]), _orders(batch), scores.sum(axis=1).tolist())
+    rows, cols = np.nonzero(usable)
     device = model.device if model is not None else torch.device("cpu")
     logp = ent = None
     if model is not None:
@@ -189,8 +207,22 @@ def _padded_view(model, batch: Batch, entropy: bool) -> TokenView:
         # the hidden state at cols - 1 predicts the token at cols
         picked = hidden[torch.from_numpy(rows).to(device), torch.from_numpy(cols - 1).to(device)]
         logp, ent = _logprobs_from_hidden(model, picked, torch.from_numpy(t["input_ids"][rows, cols]).to(device), entropy)
-    return TokenView(logp, torch.from_numpy(logprobs[rows, cols]).to(device),
-                     torch.tensor(seq_to_traj, dtype=torch.long)[torch.from_numpy(rows)].to(device),
+    return rows, torch.from_numpy(logprobs[rows, cols]).to(device), logp, ent, int((trained & (positions == 0)).sum())
+
+
+def sampled_logprobs(model, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's and the engine's logprobs of a padded batch's trained tokens: no rewards needed."""
+    _, engine, logp, _, _ = _padded_tokens(model, batch, False)
+    return logp, engine
+
+
+def _padded_view(model, batch: Batch, entropy: bool) -> TokenView:
+    """``model=None``: the view's plan alone (which tokens, their trajectories and rewards), no forward."""
+    rows, engine, logp, ent, skipped = _padded_tokens(model, batch, entropy)
+    seq_to_traj, ids, groups, rewards = _trajectories(
+        list(batch.meta["trajectory_id"]), list(batch.meta["uid"]), _orders(batch), list(batch.meta["reward"]))
+    device = engine.device
+    return TokenView(logp, engine, torch.tensor(seq_to_traj, dtype=torch.long)[torch.from_numpy(rows)].to(device),
                      rewards.to(device), groups, ids, ent, skipped)
 
 
@@ -255,10 +287,8 @@ def _tree_view(model, batch: Batch, entropy: bool, attention: str) -> TokenView:
     trained = t["seq_loss_mask"].astype(bool)
     usable = np.flatnonzero(trained & (depth > 0))
     skipped = int((trained & (depth == 0)).sum())
-    seq_scores = np.add.reduceat(t["seq_scores"], offsets[:-1]) if len(positions) else np.zeros(n)
-    seq_scores = np.where(np.diff(offsets) > 0, seq_scores, 0.0)  # reduceat repeats a value for empty ranges
     seq_to_traj, ids, groups, rewards = _trajectories(
-        list(batch.meta["trajectory_id"]), list(batch.meta["uid"]), list(batch.meta["order"]), seq_scores.tolist())
+        list(batch.meta["trajectory_id"]), list(batch.meta["uid"]), list(batch.meta["order"]), list(batch.meta["reward"]))
     device = model.device if model is not None else torch.device("cpu")
     logp = ent = None
     if model is not None:

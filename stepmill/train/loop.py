@@ -174,10 +174,8 @@ class Loop:
     def measure(self, batches: list) -> dict:
         """Reward (of the rewarded steps: one without is left out, as in training) and the reward-hacking
         signals of the consumed groups."""
-        from stepmill.train.micro_batches import rewarded_steps
-
         batches = [b for b in batches if b.tensors]
-        metrics = {"reward": mean_reward([rewarded_steps(b)[0] for b in batches]), "groups": len(batches),
+        metrics = {"reward": mean_reward(batches), "groups": len(batches),
                    "trajectories": len({t for b in batches for t in b.meta["trajectory_id"]})}
         metrics.update(response_signals(batches))
         staleness = [self.version - int(v) for b in batches for v in b.meta["policy_version"]

@@ -8,14 +8,14 @@ import math
 
 import torch
 
-from stepmill.trainer_bridge.layouts import concat_step_batches
+from stepmill.trainer_bridge.layouts import step_rows, trajectory_batch
 
 from stepmill.errors import ConfigError
 from stepmill.train.config import LoraConfig, TrainConfig
 from stepmill.train.engine_sync import LoraAdapter, is_peft
-from stepmill.train.forward import micro_batch_loss, token_view
+from stepmill.train.forward import micro_batch_loss, sampled_logprobs
 from stepmill.train.methods import method as rl_method
-from stepmill.train.micro_batches import layout_batch, select_rows
+from stepmill.train.micro_batches import claimed_steps, layout_batch, row_chunks
 
 
 def load_model(folder: str, seed: int, *, device: str = "cpu", dtype: str = "float32", attention: str = "eager",
@@ -109,11 +109,12 @@ class Policy:
         Before the first step the model's weights are those the engine served for on-policy groups, so
         the gap between the trainer's and the engine's logprobs on the sampled tokens is measured here.
         Steps without a reward are left out of the step, counted in ``unrewarded_steps``."""
-        batch = layout_batch(batches, self.train.layout, self.train.micro_batch_tokens)
-        stats = {**self.sample_gap(batches), "unrewarded_steps": batch.unrewarded}
+        steps = claimed_steps(batches)  # the claimed groups' token rows, read once
+        batch = layout_batch(steps, self.train.layout, self.train.micro_batch_tokens)
+        stats = {**self.sample_gap(steps), "unrewarded_steps": batch.unrewarded}
         if not len(batch):  # no step had a reward: nothing to learn from
             return stats
-        plan = token_view(None, batch.padded, batch.padded_layout)  # every trained token, no forward
+        plan = batch.plan  # every trained token, its trajectory and reward
         for epoch in range(self.train.epochs if update else 1):
             self.optimizer.zero_grad(set_to_none=True)
             step_stats = micro_batch_loss(self.model, batch.chunks, batch.layout, plan, self.method,
@@ -146,33 +147,35 @@ class Policy:
         for old in [v for v in self.snapshots if v < version - keep]:
             del self.snapshots[old]
 
-    def sample_gap(self, batches: list) -> dict:
-        """Engine vs trainer on the tokens the engine sampled, each step under the weights of the
-        version it is stamped with (``rollout_gap``: the largest difference). A step stamped with a
-        version whose weights are no longer kept is counted in ``rollout_gap_unchecked``."""
-        steps = concat_step_batches(batches)
-        if not steps.tensors:
+    def sample_gap(self, steps: dict[str, list]) -> dict:
+        """Engine vs trainer on the tokens the engine sampled (``steps``: ``claimed_steps``), each step under
+        the weights of the version it is stamped with (``rollout_gap``: the largest difference), in
+        micro-batches as training takes them. A step stamped with a version whose weights are no longer kept
+        is counted in ``rollout_gap_unchecked``."""
+        rows = step_rows(steps)
+        if not rows:
             return {}
-        stamps = [str(v) for v in steps.meta["policy_version"]]
+        stamps = [str(s.policy_version) for trajectory in steps.values() for s in trajectory]  # step_rows' order
         current = None  # a copy of the weights being trained, taken only when an older version's are loaded
         gaps, unchecked = [], 0
         with torch.no_grad():
             for version in sorted(set(stamps)):
-                rows = [i for i, v in enumerate(stamps) if v == version]
+                stamped = [row for row, v in zip(rows, stamps) if v == version]
                 weights = self.snapshots.get(int(version)) if version.lstrip("-").isdigit() else None
                 if version != str(self.version) and weights is None:
-                    unchecked += len(rows)
+                    unchecked += len(stamped)
                     continue
                 older = weights is not None and version != str(self.version)
                 if older:  # the weights being trained, copied to come back to
                     current = current or trained_state(self.model)
                     load_trained_state(self.model, weights)
                 try:
-                    view = token_view(self.model, select_rows(steps, rows), "steps")
+                    for part in row_chunks(stamped, self.train.micro_batch_tokens):
+                        trainer, engine = sampled_logprobs(self.model, trajectory_batch([stamped[i] for i in part]))
+                        gaps.append((trainer.double() - engine.double()).abs())
                 finally:
                     if older:
                         load_trained_state(self.model, current)
-                gaps.append((view.logprobs.double() - view.old_logprobs.double()).abs())
         diff = torch.cat(gaps) if gaps else torch.zeros(0)
         return {"rollout_gap": float(diff.max()) if diff.numel() else None,
                 "rollout_gap_mean": float(diff.mean()) if diff.numel() else None,

@@ -42,14 +42,14 @@ def response_signals(batches: list) -> dict:
 
 
 def mean_reward(batches: list) -> float | None:
-    """Each trajectory's reward (its last step's), averaged over the trajectories of the groups."""
+    """Each trajectory's reward (that of its last step with one: a step without is none, never 0.0),
+    averaged over the trajectories of the groups that have one."""
     last: dict = {}
     for batch in batches:
         if not batch.tensors:
             continue
-        scores = batch.tensors["token_level_scores"].sum(axis=1)
-        for tid, index, score in zip(batch.meta["trajectory_id"], batch.meta["step_index"], scores):
+        for tid, index, reward in zip(batch.meta["trajectory_id"], batch.meta["step_index"], batch.meta["reward"]):
             key = -1 if index is None else index
-            if tid not in last or key >= last[tid][0]:
-                last[tid] = (key, float(score))
+            if reward is not None and (tid not in last or key >= last[tid][0]):
+                last[tid] = (key, float(reward))
     return float(np.mean([v for _, v in last.values()])) if last else None
