@@ -233,3 +233,55 @@ def test_a_trainer_killed_between_claim_and_ack_gives_its_groups_back(tied_engin
     assert {r["group_id"] for r in held} <= set(acked)
     assert len(acked) == len(set(acked)) and all(r["status"] == "acked" for r in rows), rows
     assert "last 3 versions" in done.stdout
+
+
+RESUME_ITERATIONS = 3
+
+
+def test_a_trainer_killed_mid_run_resumes_from_its_last_version(tied_engine, tmp_path):
+    """A trainer killed mid-run (SIGKILL) continues with ``stepmill train --resume`` from its last
+    checkpoint, on the real vLLM: the run ends at its last version with the engine's weight version, the
+    proxy's stamp and the checkpoint agreeing, every version's numbers recorded, and every group of the
+    run trained on once: acknowledged exactly once in the consumption ledger, and counted once in the
+    versions' numbers (a group trained again after the resume would be counted twice)."""
+    from stepmill.train.checkpoint import checkpoint_folder, latest
+    from stepmill.train.engine_sync import VLLMSync
+
+    path = rollout_file(tmp_path, tied_engine, agent="black-box", tasks=2, iterations=RESUME_ITERATIONS, control=False)
+    db = tmp_path / "stepmill.db"
+    folder = checkpoint_folder(str(db), "train")
+    command, env = trainer_command(str(path), "--db", str(db))
+    log = open(tmp_path / "first.log", "wb")
+    first = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def second_step_claimed():
+        if first.poll() is not None:
+            raise AssertionError(f"the trainer ended before the kill: {(tmp_path / 'first.log').read_text()[-3000:]}")
+        if not (folder / "v000001.pt").exists():
+            return False
+        try:
+            rows = Store(str(db), readonly=True).consumption_staleness(channel="train")
+        except StoreUnavailable:
+            return False
+        return any(r["status"] == "leased" for r in rows)
+
+    wait_until(second_step_claimed, timeout=1200, interval=0.05, what="version 1's checkpoint and the next claim")
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    killed_at = latest(folder)["version"]
+    assert 1 <= killed_at < RESUME_ITERATIONS
+
+    done = subprocess.run(command + ["--resume"], env=env, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"resumed from version {killed_at}" in done.stderr
+    store = Store(str(db), readonly=True)
+    versions = {row["version"]: row for row in store.train_metrics("train")}
+    assert sorted(versions) == list(range(RESUME_ITERATIONS + 1))
+    engine = VLLMSync(tied_engine.url, tied_engine.name)
+    try:
+        assert engine.weight_version() == store.policy_version() == str(RESUME_ITERATIONS) == str(latest(folder)["version"])
+    finally:
+        engine.close()
+    groups, once = acked_once(db, "train")
+    assert groups == once > 0
+    assert sum(int(row["groups"]) + int(row.get("empty_groups") or 0) for row in versions.values()) == groups
