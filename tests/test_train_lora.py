@@ -32,6 +32,7 @@ from stepmill.train import checkpoint  # noqa: E402
 from stepmill.train.config import LoraConfig, TrainConfig  # noqa: E402
 from stepmill.train.engine_sync import LoraAdapter, probe_tokens, trainer_logprobs  # noqa: E402
 from stepmill.train.policy import Policy  # noqa: E402
+from stepmill.train.micro_batches import claimed_steps  # noqa: E402
 
 from .real_engine import missing  # noqa: E402
 from .test_train_layouts import VOCAB, layouts, tiny_qwen2  # noqa: E402,F401  (layouts: the fixture)
@@ -130,7 +131,7 @@ def test_async_snapshots_keep_the_adapter_of_each_version(layouts, base_folder):
     before = copy.deepcopy(policy.adapter().weights)
     policy.step(claimed(store), update=True)
     policy.serving(1)
-    policy.sample_gap(claimed(store))  # loads version 0's adapter for a moment, then puts version 1's back
+    policy.sample_gap(claimed_steps(claimed(store)))  # loads version 0's adapter for a moment, then puts version 1's back
     assert any(not torch.equal(policy.adapter().weights[m][1], before[m][1]) for m in before)
     assert all(torch.equal(policy.snapshots[1][k], v) for k, v in get_peft_model_state_dict(policy.model).items())
 
