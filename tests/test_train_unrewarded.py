@@ -123,3 +123,5 @@ def test_a_batch_whose_trajectory_has_no_reward_is_refused_not_read_as_zero(clai
         forward.token_view(policy, batches[0], "steps")
     with pytest.raises(forward.BadInput, match="trajectory g1-t2 has no reward"):
         forward.token_view(policy, forward.pack_batch(batches[0]), "tree")
+    with pytest.raises(forward.BadInput, match="layout must be one of"):
+        layout_batch(claimed_steps(batches), "pyramid")
