@@ -117,7 +117,8 @@ def test_read_as_zero_the_unrewarded_steps_would_change_the_step(claimed):
 
 def test_a_batch_whose_trajectory_has_no_reward_is_refused_not_read_as_zero(claimed):
     """Read directly (verl's step batch, not through the trainer's layout_batch), a trajectory none of whose
-    steps has a reward is refused by name: its token scores of 0.0 are not its reward."""
+    steps has a reward is refused by name: its token scores of 0.0 are not its reward. (And a layout the
+    trainer does not know is refused, not taken for rows.)"""
     batches, policy = claimed
     with pytest.raises(forward.BadInput, match="trajectory g1-t2 has no reward"):
         forward.token_view(policy, batches[0], "steps")
