@@ -40,6 +40,12 @@ def asked_caps(steps: list[dict]) -> set:
     return {(step["params"] or {}).get("max_tokens") for step in steps}
 
 
+def asked_greedy(steps: list[dict]) -> list:
+    """The calls that asked for greedy decoding (temperature 0): a group of such rollouts is n copies of one
+    reply, so every recipe leaves sampling to the engine or samples itself."""
+    return [step["step_id"] for step in steps if (step["params"] or {}).get("temperature") == 0]
+
+
 def caps_wanted(name: str, cap: int) -> set:
     """What ``asked_caps`` must be under ``[run] max_new_tokens = cap``: none named by a CLI without the setting."""
     return {None} if name in UNCAPPED else {cap}
@@ -128,3 +134,4 @@ def test_recipe_through_the_runner(name, proxy, simulated_llm, marker, tmp_path)
     assert {s["status"] for s in steps} == {"ok"}
     assert {s["token_provenance"] for s in steps} == {"exact"}, detail  # every agent, every step
     assert asked_caps(steps) == caps_wanted(name, CAP), detail  # the rollout's cap reached every call as the CLI sent it
+    assert not asked_greedy(steps), detail  # every call samples: a group of greedy replies has nothing to learn
