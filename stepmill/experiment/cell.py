@@ -70,6 +70,7 @@ dataset = "{cell.dataset}"
 n = {settings['n']}
 concurrency = {settings['concurrency']}
 timeout = {settings['timeout']}
+max_new_tokens = {settings['max_new_tokens']}
 model = "{model}"
 
 [[reward]]
