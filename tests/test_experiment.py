@@ -23,7 +23,7 @@ CI = EXAMPLE.with_name("experiments.ci.toml")
 def test_the_example_varies_each_factor_around_the_default():
     experiment = spec.load(EXAMPLE)
     names = [c.name for c in experiment.cells()]
-    assert names[0] == "animals16-grpo-black-box" and len(names) == len(set(names)) == 1 + 3 + 2 + 2
+    assert names[0] == "animals16-grpo-black-box" and len(names) == len(set(names)) == 1 + 3 + 3 + 2
     assert {c.method for c in experiment.cells()} == {"grpo", "dr_grpo", "rloo", "reinforce_pp"}
     assert {c.dataset for c in experiment.cells()} == set(catalog.DATASETS)
     assert {c.runtime for c in experiment.cells()} == {"black-box", "white-box", "aider"}
@@ -150,7 +150,7 @@ def test_a_finished_run_is_skipped_and_its_control_shared_by_the_other_methods(t
     assert cell.shared_control(tmp_path, experiment, spec.Cell("words8", "grpo", default.runtime), 1) is None
     reported = subprocess.run(STEPMILL + ["experiment", str(EXAMPLE), "--folder", str(tmp_path), "--report"],
                               capture_output=True, text=True)
-    assert reported.returncode == 0 and "1 of 40 runs finished, 0 to run" in reported.stderr, reported.stderr
+    assert reported.returncode == 0 and "1 of 45 runs finished, 0 to run" in reported.stderr, reported.stderr
     assert f"| `{default.name}` | 1 |" in (tmp_path / "report.md").read_text()
 
 

@@ -34,6 +34,8 @@ DATASETS = {
                             "sixteen different English words that are not animals"),
     "words8": Dataset("words8.jsonl", "stepmill.rewards.functions:words_exactly",
                       "exactly eight different English words"),
+    "words16": Dataset("words16.jsonl", "stepmill.rewards.functions:letters_diverse",
+                       "sixteen different English words on a named theme (the theme is not scored)"),
 }
 
 BUILT_IN_RUNTIMES = {
