@@ -37,7 +37,7 @@ from stepmill.train.config import LoraConfig, TrainConfig
 from stepmill.train.checkpoint import Resume
 from stepmill.train.consumers import group_consumer
 from stepmill.train.rounds import round_config
-from stepmill.train.signals import mean_reward, response_signals
+from stepmill.train.signals import flat_groups, mean_reward, response_signals
 
 
 @dataclass
@@ -175,7 +175,7 @@ class Loop:
         """Reward (of the rewarded steps: one without is left out, as in training) and the reward-hacking
         signals of the consumed groups."""
         batches = [b for b in batches if b.tensors]
-        metrics = {"reward": mean_reward(batches), "groups": len(batches),
+        metrics = {"reward": mean_reward(batches), "groups": len(batches), "flat_groups": flat_groups(batches),
                    "trajectories": len({t for b in batches for t in b.meta["trajectory_id"]})}
         metrics.update(response_signals(batches))
         staleness = [self.version - int(v) for b in batches for v in b.meta["policy_version"]

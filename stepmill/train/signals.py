@@ -41,15 +41,27 @@ def response_signals(batches: list) -> dict:
             "response_tokens": float(np.mean([len(r) for r in rows]))}
 
 
-def mean_reward(batches: list) -> float | None:
-    """Each trajectory's reward (that of its last step with one: a step without is none, never 0.0),
-    averaged over the trajectories of the groups that have one."""
+def _trajectory_rewards(batch) -> dict:
+    """Each trajectory's reward in one claimed group: that of its last step with one (a step without is
+    none, never 0.0); a trajectory with no rewarded step is absent."""
     last: dict = {}
-    for batch in batches:
-        if not batch.tensors:
-            continue
-        for tid, index, reward in zip(batch.meta["trajectory_id"], batch.meta["step_index"], batch.meta["reward"]):
-            key = -1 if index is None else index
-            if reward is not None and (tid not in last or key >= last[tid][0]):
-                last[tid] = (key, float(reward))
-    return float(np.mean([v for _, v in last.values()])) if last else None
+    for tid, index, reward in zip(batch.meta["trajectory_id"], batch.meta["step_index"], batch.meta["reward"]):
+        key = -1 if index is None else index
+        if reward is not None and (tid not in last or key >= last[tid][0]):
+            last[tid] = (key, float(reward))
+    return {tid: reward for tid, (_, reward) in last.items()}
+
+
+def mean_reward(batches: list) -> float | None:
+    """The trajectories' rewards averaged over the groups that have one."""
+    rewards = [r for batch in batches if batch.tensors for r in _trajectory_rewards(batch).values()]
+    return float(np.mean(rewards)) if rewards else None
+
+
+def flat_groups(batches: list) -> float | None:
+    """The share of groups (of two or more rewarded trajectories) whose rewards are all equal: a
+    group-relative method learns nothing from them. Near 1 it says the rollouts do not differ (greedy
+    decoding, a reward that cannot tell them apart) before a flat reward curve does."""
+    spreads = [np.ptp(list(rewards.values())) for batch in batches if batch.tensors
+               for rewards in [_trajectory_rewards(batch)] if len(rewards) >= 2]
+    return float(np.mean([spread == 0 for spread in spreads])) if spreads else None

@@ -37,6 +37,7 @@ DETAILS = (
     ("clip_fraction", "clip fraction", "share"),
     ("grad_norm", "grad norm", "number"),
     ("unique_responses", "unique responses", "share"),
+    ("flat_groups", "flat groups", "share"),
     ("response_tokens", "response tokens", "number"),
     ("rollout_s", "rollout s", "seconds"),
     ("train_s", "train s", "seconds"),
