@@ -32,7 +32,8 @@ from stepmill.train import checkpoint  # noqa: E402
 from stepmill.train.config import LoraConfig, TrainConfig  # noqa: E402
 from stepmill.train.engine_sync import LoraAdapter, probe_tokens, trainer_logprobs  # noqa: E402
 from stepmill.train.policy import Policy  # noqa: E402
-from stepmill.train.micro_batches import claimed_steps  # noqa: E402
+from stepmill.train import forward  # noqa: E402
+from stepmill.train.micro_batches import claimed_steps, layout_batch  # noqa: E402
 
 from .real_engine import missing  # noqa: E402
 from .test_train_layouts import VOCAB, layouts, tiny_qwen2  # noqa: E402,F401  (layouts: the fixture)
@@ -91,6 +92,25 @@ def test_what_the_engine_is_sent_is_what_peft_trains(layouts, base_folder):
     assert max(abs(a - b) for a, b in zip(peft_side, trainer_logprobs(base, PROBE))) > 1e-4  # it did move
     doubled = LoraAdapter(adapter.r, adapter.alpha * 2, adapter.weights)
     assert max(abs(a - b) for a, b in zip(peft_side, trainer_logprobs(base, PROBE, lora=doubled))) > 1e-5
+
+
+def test_the_kl_reference_is_the_base_under_the_adapter_not_a_copy(layouts, base_folder):
+    """With ``kl`` set, the reference of a LoRA policy is the policy with its adapter off: its logprobs
+    are the starting weights' after the adapter has moved, and no second model is held."""
+    store, _ = layouts
+    policy = lora_policy(base_folder, kl=0.1)
+    assert isinstance(policy.reference, forward.AdapterOff) and policy.reference.model is policy.model
+    first = policy.step(claimed(store), update=True)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-9)  # B starts at zeros: the policy is its reference
+    batch = layout_batch(claimed_steps(claimed(store)), "steps", 0)
+    chunk = batch.chunks[0]
+    reference = forward.reference_logprobs(policy.reference, chunk, "steps")
+    with torch.no_grad():
+        base = forward.token_view(tiny_qwen2(seed=0, dtype=torch.float32), chunk, "steps").logprobs
+        moved = forward.token_view(policy.model, chunk, "steps").logprobs
+    torch.testing.assert_close(reference, base, rtol=0, atol=1e-5)
+    assert (moved - base).abs().max() > 1e-4  # the adapter moved, and the reference did not follow
+    assert policy.step(claimed(store), update=True)["kl"] > 0
 
 
 def test_a_checkpoint_keeps_the_adapter_and_its_optimizer(layouts, base_folder, tmp_path):

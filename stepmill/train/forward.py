@@ -22,6 +22,8 @@ at position 0 of its sequence has no context to be predicted from and is left ou
 
 from __future__ import annotations
 
+import contextlib
+
 from collections import Counter
 from dataclasses import dataclass
 
@@ -331,15 +333,28 @@ def view_loss(view: TokenView, method: Method, *,
     return loss, stats
 
 
+class AdapterOff:
+    """A LoRA policy's reference: the policy itself with its adapter off (peft's ``disable_adapter``), so
+    the KL term's starting weights are the frozen base the policy already holds, never a copy of it."""
+
+    def __init__(self, model):
+        self.model = model
+
+
+def reference_logprobs(ref_model, batch: Batch, layout: str, attention: str = "auto") -> torch.Tensor:
+    """The reference policy's logprobs on a batch's trained tokens, without gradients: ``ref_model`` is a
+    frozen model or an ``AdapterOff``."""
+    off = isinstance(ref_model, AdapterOff)
+    with torch.no_grad(), (ref_model.model.disable_adapter() if off else contextlib.nullcontext()):
+        return token_view(ref_model.model if off else ref_model, batch, layout, attention=attention).logprobs
+
+
 def loss(model, batch: Batch, layout: str, method: Method, *, ref_model=None, entropy: bool = False,
          attention: str = "auto") -> tuple[torch.Tensor, dict]:
     """The method's loss of ``model`` on ``batch`` (and its stats); ``ref_model``: the reference
     policy of a KL term (``method.kl_coef``), run without gradients on the same layout."""
     view = token_view(model, batch, layout, entropy=entropy or bool(method.entropy_coef), attention=attention)
-    ref = None
-    if ref_model is not None:
-        with torch.no_grad():
-            ref = token_view(ref_model, batch, layout, attention=attention).logprobs
+    ref = None if ref_model is None else reference_logprobs(ref_model, batch, layout, attention)
     return view_loss(view, method, ref_logprobs=ref)
 
 
@@ -365,10 +380,7 @@ def micro_batch_loss(model, chunks: list[Batch], layout: str, plan: TokenView, m
         with torch.set_grad_enabled(backward):
             view = token_view(model, chunk, layout, entropy=entropy, attention=attention)
             seq = torch.tensor([index[t] for t in view.trajectory_ids], dtype=torch.long)[view.seq_index.cpu()]
-            ref = None
-            if ref_model is not None:
-                with torch.no_grad():
-                    ref = token_view(ref_model, chunk, layout, attention=attention).logprobs
+            ref = None if ref_model is None else reference_logprobs(ref_model, chunk, layout, attention)
             device = view.logprobs.device
             part, part_stats = policy_loss(view.logprobs, view.old_logprobs, adv[seq].to(device), seq.to(device),
                                            plan.n_seqs, method, ref_logprobs=ref, entropy=view.entropy,

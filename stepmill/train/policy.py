@@ -13,7 +13,7 @@ from stepmill.trainer_bridge.layouts import step_rows, trajectory_batch
 from stepmill.errors import ConfigError
 from stepmill.train.config import LoraConfig, TrainConfig
 from stepmill.train.engine_sync import LoraAdapter, is_peft
-from stepmill.train.forward import micro_batch_loss, sampled_logprobs
+from stepmill.train.forward import AdapterOff, micro_batch_loss, sampled_logprobs
 from stepmill.train.methods import method as rl_method
 from stepmill.train.micro_batches import claimed_steps, layout_batch, row_chunks
 
@@ -93,7 +93,9 @@ class Policy:
         self.version = 0  # the version the engine serves these weights as (``serving``)
         self.snapshots: dict[int, dict | None] = {}
         self.reference = None
-        if train.kl:  # the starting weights, frozen
+        if train.kl and is_peft(self.model):  # the starting weights: the frozen base under the adapter
+            self.reference = AdapterOff(self.model)
+        elif train.kl:  # the starting weights, frozen
             self.reference = copy.deepcopy(self.model).eval()
             for p in self.reference.parameters():
                 p.requires_grad_(False)
