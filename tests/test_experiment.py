@@ -68,10 +68,27 @@ def test_each_cells_rollout_file_is_read_by_the_runner_and_the_trainer(tmp_path,
     train = load_train(config)  # the file parsed once, as `stepmill train` does
     assert config.run.dataset == dataset and config.run.n == 4 and len(config.tasks(dataset)) == 3
     assert train.method == "rloo" and train.seed == 7 and train.iterations == 10 and train.control
+    assert config.run.max_new_tokens == catalog.CALL_TOKENS  # an agent CLI's calls may add what the others' may
     [reward] = reward_specs(config.tables, path, other_sections=True)  # as each round scores it
     assert f"{reward.function.__module__}:{reward.function.__name__}" == catalog.DATASETS[dataset].reward
     task = json.loads(catalog.tasks_text(dataset, 1))  # the task's fields are its trajectory's metadata
     assert reward.function({"metadata": task, "completion": {"content": "cat table"}})[0] > 0
+
+
+def test_every_runtimes_calls_may_add_the_same(monkeypatch, tmp_path):
+    """The white-box reply's cap and the engine's default (the tool loop names none) are the CLIs' cap."""
+    import inspect
+
+    from stepmill.agents import reply_once
+    from stepmill.demo import main as demo
+    from stepmill.experiment import command
+
+    assert inspect.signature(reply_once.run).parameters["max_tokens"].default == catalog.CALL_TOKENS
+    started = {}
+    monkeypatch.setattr(demo, "vllm_python", lambda: "python")
+    monkeypatch.setattr(demo, "start_vllm", lambda folder, **options: started.update(options))
+    command.start_engine(tmp_path)
+    assert started["max_new_tokens"] == catalog.CALL_TOKENS
 
 
 def test_the_t_quantile():

@@ -38,6 +38,9 @@ DATASETS = {
                        "sixteen different English words on a named theme (the theme is not scored)"),
 }
 
+# What one call may add, every runtime alike: the engine's default (the tool loop names no cap), the
+# white-box reply's cap (reply_once's max_tokens) and an agent CLI's {max_new_tokens} ([run] max_new_tokens).
+CALL_TOKENS = 48
 BUILT_IN_RUNTIMES = {
     "white-box": 'name = "white-box"\nentry = "stepmill.agents.reply_once:run"',
     "black-box": 'name = "black-box"\ncommand = ["{python}", "-m", "stepmill.agents.tool_loop", "--model", "{model}"]\n'

@@ -19,7 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from stepmill.experiment.catalog import DATASETS, agent_table, tasks_text
+from stepmill.experiment.catalog import CALL_TOKENS, DATASETS, agent_table, tasks_text
 from stepmill.experiment.spec import Cell, Experiment
 from stepmill.private_files import private_dir
 
@@ -70,7 +70,7 @@ dataset = "{cell.dataset}"
 n = {settings['n']}
 concurrency = {settings['concurrency']}
 timeout = {settings['timeout']}
-max_new_tokens = {settings['max_new_tokens']}
+max_new_tokens = {CALL_TOKENS}   # an agent CLI's {{max_new_tokens}}: what the other runtimes' calls may add
 model = "{model}"
 
 [[reward]]

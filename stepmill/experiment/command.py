@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from stepmill.errors import ConfigError
+from stepmill.experiment.catalog import CALL_TOKENS
 from stepmill.experiment.cell import finished, run_cell
 from stepmill.experiment.report import write_report
 from stepmill.experiment.spec import Cell, Experiment, load
@@ -34,7 +35,7 @@ def start_engine(folder: Path):
     if vllm_python() is None:
         raise ConfigError(f"experiments run on the real vLLM: run {ENGINE_INSTALL} from the project first")
     click.echo(f"starting vLLM on the warm-started model in {folder / 'engine'} (minutes)", err=True)
-    return start_vllm(folder / "engine", warm_start=True, dev_mode=True, worker_extension=True, max_new_tokens=48,
+    return start_vllm(folder / "engine", warm_start=True, dev_mode=True, worker_extension=True, max_new_tokens=CALL_TOKENS,
                       timeout=900)
 
 

@@ -30,10 +30,7 @@ from stepmill.errors import ConfigError
 FACTORS = ("method", "dataset", "runtime")  # the order cells run in: methods first (they share the default's control)
 # the run's size and optimizer, the same for every cell: name -> (type, default)
 SETTINGS = {"iterations": (int, 10), "tasks": (int, 4), "n": (int, 4), "lr": (float, 5e-3),
-            "concurrency": (int, 4), "timeout": (int, 120), "layout": (str, "steps"),
-            # what one call may add, every runtime alike: the white-box reply's 48, the tool loop's engine
-            # default (the warm-started model's generation config); an agent CLI gets it as {max_new_tokens}
-            "max_new_tokens": (int, 48)}
+            "concurrency": (int, 4), "timeout": (int, 120), "layout": (str, "steps")}
 TOP_KEYS = {"name", "seeds", "default", "vary", *SETTINGS}
 
 
