@@ -132,7 +132,7 @@ def test_writer_priority(tmp_path, priority):
     try:
         writer = writer_of(process)
         expected = {"idle": os.SCHED_IDLE, "low": os.SCHED_OTHER, "normal": os.SCHED_OTHER}[priority]
-        base = os.getpriority(os.PRIO_PROCESS, 0)  # the proxy's, as it inherits this process's
+        base = os.getpriority(os.PRIO_PROCESS, process.pid)  # the proxy's own
         nice = base if priority == "normal" else min(19, base + 10)  # the writer lowers itself by 10
         wait_until(lambda: (os.sched_getscheduler(writer), os.getpriority(os.PRIO_PROCESS, writer)) == (expected, nice),
                    what=f"{priority} scheduling policy")

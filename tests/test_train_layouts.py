@@ -158,7 +158,7 @@ def test_kl_to_a_reference_and_entropy_agree_across_layouts(layouts, policy):
     _, batches = layouts
     reference = tiny_qwen2(seed=0, attention="eager")  # the engine's weights
     rl = method("grpo", aggregation="sequence", kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01)
-    results = {label: _loss_and_grads(policy, batch, layout, rl, ref_model=reference)
+    results = {label: _loss_and_grads(policy, batch, layout, rl, reference=reference)
                for label, (layout, batch) in batches.items()}
     value, stats, grads = results["steps"]
     assert stats["kl"] > 0 and stats["entropy"] > 0

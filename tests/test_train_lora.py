@@ -27,7 +27,7 @@ pytest.importorskip("peft")
 
 from peft import get_peft_model_state_dict  # noqa: E402
 
-from stepmill.errors import ConfigError  # noqa: E402
+from stepmill.errors import BadInput, ConfigError  # noqa: E402
 from stepmill.train import checkpoint  # noqa: E402
 from stepmill.train.config import LoraConfig, TrainConfig  # noqa: E402
 from stepmill.train.engine_sync import LoraAdapter, probe_tokens, trainer_logprobs  # noqa: E402
@@ -110,7 +110,13 @@ def test_the_kl_reference_is_the_base_under_the_adapter_not_a_copy(layouts, base
         moved = forward.token_view(policy.model, chunk, "steps").logprobs
     torch.testing.assert_close(reference, base, rtol=0, atol=1e-5)
     assert (moved - base).abs().max() > 1e-4  # the adapter moved, and the reference did not follow
-    assert policy.step(claimed(store), update=True)["kl"] > 0
+    assert policy.model.training and all(p.requires_grad for p in policy.trained)  # the adapter back on, to train
+    adapter_before = copy.deepcopy(policy.adapter())
+    second = policy.step(claimed(store), update=True)
+    assert second["kl"] > 0 and second["grad_norm"] > 0
+    assert all(not torch.equal(policy.adapter().weights[m][1], b) for m, (_, b) in adapter_before.weights.items())
+    with pytest.raises(BadInput, match="AdapterOff"):  # the live adapter as its own reference: a KL of 0
+        forward.reference_logprobs(policy.model, chunk, "steps")
 
 
 def test_a_checkpoint_keeps_the_adapter_and_its_optimizer(layouts, base_folder, tmp_path):

@@ -35,6 +35,7 @@ from stepmill.errors import BadInput, ConfigError
 from stepmill.trainer_bridge.layouts import Batch, Row
 from stepmill.trainer_bridge.prefix_tree import flex_mask_mod, pack_tree
 
+from stepmill.train.engine_sync import is_peft
 from stepmill.train.methods import Method, advantages, policy_loss, token_weights
 
 LAYOUTS = ("steps", "rows", "tree")
@@ -335,26 +336,42 @@ def view_loss(view: TokenView, method: Method, *,
 
 class AdapterOff:
     """A LoRA policy's reference: the policy itself with its adapter off (peft's ``disable_adapter``), so
-    the KL term's starting weights are the frozen base the policy already holds, never a copy of it."""
+    the KL term's starting weights are the frozen base the policy already holds, never a copy of it.
+    The switch changes the model's modules: nothing else may run the model meanwhile."""
 
     def __init__(self, model):
         self.model = model
 
 
-def reference_logprobs(ref_model, batch: Batch, layout: str, attention: str = "auto") -> torch.Tensor:
-    """The reference policy's logprobs on a batch's trained tokens, without gradients: ``ref_model`` is a
-    frozen model or an ``AdapterOff``."""
-    off = isinstance(ref_model, AdapterOff)
-    with torch.no_grad(), (ref_model.model.disable_adapter() if off else contextlib.nullcontext()):
-        return token_view(ref_model.model if off else ref_model, batch, layout, attention=attention).logprobs
+@contextlib.contextmanager
+def _adapter_off(model):
+    """The base alone, in eval mode as a frozen reference is (no dropout); the adapter and mode restored."""
+    training = model.training
+    model.eval()
+    try:
+        with model.disable_adapter():
+            yield model
+    finally:
+        model.train(training)
 
 
-def loss(model, batch: Batch, layout: str, method: Method, *, ref_model=None, entropy: bool = False,
+def reference_logprobs(reference, batch: Batch, layout: str, attention: str = "auto") -> torch.Tensor:
+    """The reference policy's logprobs on a batch's trained tokens, without gradients: ``reference`` is a
+    frozen model or an ``AdapterOff``. A peft model itself is refused: its adapter is the live policy's,
+    so its KL would be 0 for ever."""
+    if is_peft(reference):
+        raise BadInput("a LoRA policy's reference is AdapterOff(policy), not the peft model itself")
+    off = isinstance(reference, AdapterOff)
+    with torch.no_grad(), (_adapter_off(reference.model) if off else contextlib.nullcontext(reference)) as model:
+        return token_view(model, batch, layout, attention=attention).logprobs
+
+
+def loss(model, batch: Batch, layout: str, method: Method, *, reference=None, entropy: bool = False,
          attention: str = "auto") -> tuple[torch.Tensor, dict]:
-    """The method's loss of ``model`` on ``batch`` (and its stats); ``ref_model``: the reference
+    """The method's loss of ``model`` on ``batch`` (and its stats); ``reference``: the reference
     policy of a KL term (``method.kl_coef``), run without gradients on the same layout."""
     view = token_view(model, batch, layout, entropy=entropy or bool(method.entropy_coef), attention=attention)
-    ref = None if ref_model is None else reference_logprobs(ref_model, batch, layout, attention)
+    ref = None if reference is None else reference_logprobs(reference, batch, layout, attention)
     return view_loss(view, method, ref_logprobs=ref)
 
 
@@ -363,7 +380,7 @@ MEAN_STATS = ("clip_fraction", "clip_fraction_lower", "ratio_mean", "approx_kl")
 SUM_STATS = ("loss", "policy_loss", "kl", "entropy")  # weighted sums: a micro-batch's part of the whole
 
 
-def micro_batch_loss(model, chunks: list[Batch], layout: str, plan: TokenView, method: Method, *, ref_model=None,
+def micro_batch_loss(model, chunks: list[Batch], layout: str, plan: TokenView, method: Method, *, reference=None,
                      attention: str = "auto", backward: bool = True) -> dict:
     """The method's loss over ``chunks``, micro-batches of one batch whose ``plan`` (``token_view``
     without a model) names every trained token, its trajectory and each trajectory's reward. Each
@@ -380,7 +397,7 @@ def micro_batch_loss(model, chunks: list[Batch], layout: str, plan: TokenView, m
         with torch.set_grad_enabled(backward):
             view = token_view(model, chunk, layout, entropy=entropy, attention=attention)
             seq = torch.tensor([index[t] for t in view.trajectory_ids], dtype=torch.long)[view.seq_index.cpu()]
-            ref = None if ref_model is None else reference_logprobs(ref_model, chunk, layout, attention)
+            ref = None if reference is None else reference_logprobs(reference, chunk, layout, attention)
             device = view.logprobs.device
             part, part_stats = policy_loss(view.logprobs, view.old_logprobs, adv[seq].to(device), seq.to(device),
                                            plan.n_seqs, method, ref_logprobs=ref, entropy=view.entropy,

@@ -120,7 +120,7 @@ class Policy:
         for epoch in range(self.train.epochs if update else 1):
             self.optimizer.zero_grad(set_to_none=True)
             step_stats = micro_batch_loss(self.model, batch.chunks, batch.layout, plan, self.method,
-                                          ref_model=self.reference, backward=update)
+                                          reference=self.reference, backward=update)
             step_stats = {k: float(v) for k, v in step_stats.items() if isinstance(v, (int, float))}
             if epoch == 0:
                 stats.update(step_stats)

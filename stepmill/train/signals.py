@@ -43,10 +43,11 @@ def response_signals(batches: list) -> dict:
 
 def _trajectory_rewards(batch) -> dict:
     """Each trajectory's reward in one claimed group: that of its last step with one (a step without is
-    none, never 0.0); a trajectory with no rewarded step is absent."""
+    none, never 0.0; a step of no known index counts as last, as the trainer orders it); a trajectory with
+    no rewarded step is absent."""
     last: dict = {}
     for tid, index, reward in zip(batch.meta["trajectory_id"], batch.meta["step_index"], batch.meta["reward"]):
-        key = -1 if index is None else index
+        key = float("inf") if index is None else index
         if reward is not None and (tid not in last or key >= last[tid][0]):
             last[tid] = (key, float(reward))
     return {tid: reward for tid, (_, reward) in last.items()}
@@ -60,8 +61,9 @@ def mean_reward(batches: list) -> float | None:
 
 def flat_groups(batches: list) -> float | None:
     """The share of groups (of two or more rewarded trajectories) whose rewards are all equal: a
-    group-relative method learns nothing from them. Near 1 it says the rollouts do not differ (greedy
-    decoding, a reward that cannot tell them apart) before a flat reward curve does."""
+    group-relative method (GRPO, Dr. GRPO, RLOO) learns nothing from them. Near 1 it says the rollouts
+    do not differ (greedy decoding, a reward that cannot tell them apart) before a flat reward curve
+    does. A group with one rewarded trajectory has no baseline either; it is not counted here."""
     spreads = [np.ptp(list(rewards.values())) for batch in batches if batch.tensors
                for rewards in [_trajectory_rewards(batch)] if len(rewards) >= 2]
     return float(np.mean([spread == 0 for spread in spreads])) if spreads else None
