@@ -35,8 +35,8 @@ def start_engine(folder: Path):
     if vllm_python() is None:
         raise ConfigError(f"experiments run on the real vLLM: run {ENGINE_INSTALL} from the project first")
     click.echo(f"starting vLLM on the warm-started model in {folder / 'engine'} (minutes)", err=True)
-    return start_vllm(folder / "engine", warm_start=True, dev_mode=True, worker_extension=True, max_new_tokens=CALL_TOKENS,
-                      timeout=900)
+    return start_vllm(folder / "engine", warm_start=True, dev_mode=True, worker_extension=True,
+                      max_new_tokens=CALL_TOKENS, timeout=900)
 
 
 def _reproduce(path: str, folder: str | None, cell: Cell, seed: int) -> str:

@@ -23,7 +23,6 @@ at position 0 of its sequence has no context to be predicted from and is left ou
 from __future__ import annotations
 
 import contextlib
-
 from collections import Counter
 from dataclasses import dataclass
 
