@@ -34,10 +34,10 @@ from stepmill.errors import BadInput, ConfigError
 from stepmill.trainer_bridge.layouts import Batch, Row
 from stepmill.trainer_bridge.prefix_tree import flex_mask_mod, pack_tree
 
+from stepmill.train.config import LAYOUTS
 from stepmill.train.engine_sync import is_peft
 from stepmill.train.methods import Method, advantages, policy_loss, token_weights
 
-LAYOUTS = ("steps", "rows", "tree")
 ATTENTION = ("auto", "flex", "dense")
 
 
@@ -307,11 +307,16 @@ def _tree_view(model, batch: Batch, entropy: bool, attention: str) -> TokenView:
                      rewards.to(device), groups, ids, ent, skipped)
 
 
+def check_layout(layout: str) -> None:
+    """BadInput unless ``layout`` is one the trainer builds (``[train] layout``'s choices)."""
+    if layout not in LAYOUTS:
+        raise BadInput(f"layout must be one of {LAYOUTS}")
+
+
 def token_view(model, batch: Batch, layout: str, *, entropy: bool = False, attention: str = "auto") -> TokenView:
     """The model's logprobs (and entropy) on a batch's trained tokens, as a layout-free ``TokenView``.
     Gradients flow when enabled; wrap in ``torch.no_grad()`` for a reference or old policy."""
-    if layout not in LAYOUTS:
-        raise BadInput(f"layout must be one of {LAYOUTS}")
+    check_layout(layout)
     needed = ("seq_offsets", "seq_log_probs") if layout == "tree" else ("input_ids", "rollout_log_probs")
     missing = [name for name in needed if name not in batch.tensors]
     if missing:

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 from stepmill.trainer_bridge.layouts import Batch, Row, chain_rows, step_rows, step_tokens, trajectory_batch
 
-from stepmill.errors import BadInput
-from stepmill.train.forward import LAYOUTS, TokenView, pack_rows, rows_plan
+from stepmill.train.forward import TokenView, check_layout, pack_rows, rows_plan
 
 
 @dataclass
@@ -59,8 +58,7 @@ def rewarded(steps: dict[str, list]) -> tuple[dict[str, list], int]:
 def layout_batch(steps: dict[str, list], layout: str, micro_batch_tokens: int = 0) -> LayoutBatch:
     """The claimed steps (``claimed_steps``) in ``layout``, cut into micro-batches (``micro_batch_tokens``
     0: one), without their unrewarded steps (counted)."""
-    if layout not in LAYOUTS:
-        raise BadInput(f"layout must be one of {LAYOUTS}")
+    check_layout(layout)
     steps, unrewarded = rewarded(steps)
     rows = step_rows(steps) if layout == "steps" else chain_rows(steps, Counter())[0]
     build = pack_rows if layout == "tree" else trajectory_batch
